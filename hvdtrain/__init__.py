@@ -1,0 +1,24 @@
+"""hvdtrain: data-parallel PyTorch training on Horovod.
+
+    world = hvdtrain.World.init()
+    result = hvdtrain.fit(world, model, optimizer, train_set, hvdtrain.Config(...), eval_set=...)
+"""
+
+from hvdtrain.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.trainer import FitResult, evaluate, fit
+from hvdtrain.world import World
+
+__version__ = "0.1.0"
+__all__ = [
+    "CheckpointConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "ModelConfig",
+    "OptimConfig", "TrainConfig", "World", "evaluate", "fit",
+]

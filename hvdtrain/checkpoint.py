@@ -1,0 +1,183 @@
+"""Atomic checkpoints: one folder per step, written by rank 0 into a temp folder, fsynced and renamed;
+the `latest` pointer moves only after the folder is complete; the last `keep` folders are kept.
+
+Only rank 0 touches the file system, so hosts need no shared storage; what other ranks need comes
+over Horovod. Decisions that gate later collectives (the save failed, the checkpoint is missing) are
+agreed across ranks first, so a problem on rank 0 stops every rank instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvdtrain.config import CheckpointConfig
+from hvdtrain.errors import CheckpointError
+from hvdtrain.world import World
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+LATEST = "latest"
+# Config sections that change what the saved tensors mean; a difference there is refused.
+_MUST_MATCH = ("task", "model")
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(state["python"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write: Any) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    out = []
+    for section in _MUST_MATCH:
+        a, b = saved.get(section), current.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(set(a) | set(b))
+            out += [f"{section}.{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(f"{section} ({a!r} -> {b!r})")
+    return out
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load one checkpoint folder (or its state file) without unpickling arbitrary objects."""
+    p = Path(path)
+    f = p / STATE_FILE if p.is_dir() else p
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint {p} does not exist; check the path or start without --resume")
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling/zip failure means the same to the user
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {f} is corrupt or not an hvdtrain checkpoint ({first}); "
+                              "resume from an older one or start fresh") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {f} is not an hvdtrain checkpoint (format {FORMAT} expected)")
+    return state
+
+
+class Checkpointer:
+    """Saves and restores training state; `save` and `restore` must be called by all ranks."""
+
+    def __init__(self, cfg: CheckpointConfig, world: World) -> None:
+        self.cfg, self.world = cfg, world
+        self.dir = Path(cfg.dir) if cfg.dir else None
+
+    def due(self, step: int, end_of_epoch: bool) -> bool:
+        if self.dir is None:
+            return False
+        return step % self.cfg.every == 0 if self.cfg.every else end_of_epoch
+
+    def save(self, step: int, state: dict[str, Any], config: dict[str, Any]) -> Path:
+        """Write `state` (rank 0's) plus every rank's RNG state as folder step_<step>. All ranks call."""
+        assert self.dir is not None
+        rngs = self.world.allgather_object(rng_state(), name="hvdtrain.ckpt.rng")
+        final, error = self.dir / f"step_{step:08d}", ""
+        if self.world.is_root:
+            try:
+                self._write(final, {**state, "format": FORMAT, "rng": rngs, "config": config})
+            except OSError as exc:
+                error = f"could not write checkpoint {final}: {exc}"
+        # Agreed so a full disk on rank 0 stops all ranks together rather than leaving them waiting.
+        error = self.world.broadcast_object(error, name="hvdtrain.ckpt.saved")
+        if error:
+            raise CheckpointError(error)
+        return final
+
+    def _write(self, final: Path, payload: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_file(tmp / STATE_FILE, lambda f: torch.save(payload, f))
+        text = json.dumps(payload["config"], indent=2, sort_keys=True).encode()
+        _write_file(tmp / "config.json", lambda f: f.write(text))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.dir / f".{LATEST}.tmp"
+        _write_file(pointer, lambda f: f.write(final.name.encode()))
+        os.replace(pointer, self.dir / LATEST)
+        _fsync_dir(self.dir)
+        self._prune()
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
+        for old in done[: -self.cfg.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The folder the `latest` pointer names, or None if there is no checkpoint yet."""
+        if self.dir is None or not (self.dir / LATEST).is_file():
+            return None
+        return self.dir / (self.dir / LATEST).read_text().strip()
+
+    def restore(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0 loads the checkpoint `checkpoint.resume` names; every rank gets it. All ranks call."""
+        result: tuple[str, Any] = ("none", None)
+        if self.world.is_root and self.cfg.resume:
+            try:
+                result = self._load_on_root(config)
+            except CheckpointError as exc:
+                result = ("error", str(exc))
+        status, payload = self.world.broadcast_object(result, name="hvdtrain.ckpt.restore")
+        if status == "error":
+            raise CheckpointError(payload)
+        if payload is not None:
+            rngs = payload.pop("rng")
+            if self.world.rank < len(rngs):
+                set_rng_state(rngs[self.world.rank])
+        return payload
+
+    def _load_on_root(self, config: dict[str, Any]) -> tuple[str, Any]:
+        if self.cfg.resume in ("latest", "auto"):
+            path = self.latest()
+            if path is None:
+                if self.cfg.resume == "auto":
+                    return ("none", None)
+                raise CheckpointError(f"no checkpoint in {self.dir} to resume from; run without --resume first")
+        else:
+            path = Path(self.cfg.resume)
+        state = load_checkpoint(path)
+        diff = _config_diff(state.get("config", {}), config)
+        if diff:
+            raise CheckpointError(f"checkpoint {path} was made with a different config: {', '.join(diff)}")
+        state["path"] = str(path)
+        return ("ok", state)

@@ -1,0 +1,250 @@
+"""Typed, frozen run configuration: built from defaults, a YAML/TOML file and `--set a.b=v` overrides.
+
+Every value is validated on construction, before any rank initialises Horovod, so a typo fails
+identically and immediately on every rank instead of after minutes of work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import yaml
+
+from hvdtrain.errors import ConfigError
+
+TASKS = ("digits", "pylm", "synthetic")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCALING = ("linear", "sqrt", "none")
+SCHEDULES = ("constant", "cosine")
+# (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
+GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
+
+
+def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
+
+
+def _at_least(section: str, name: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{section}.{name}={value!r} must be >= {low}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where data comes from and how it is split."""
+
+    path: str = ""  # pylm: folder of .py files (default: the running interpreter's stdlib)
+    max_bytes: int = 4_000_000  # pylm: cap on corpus bytes read
+    val_fraction: float = 0.1  # share of samples held out for evaluation
+    synthetic_samples: int = 2048  # synthetic: dataset size
+    image_size: int = 32  # synthetic: image height and width
+    num_classes: int = 10  # synthetic: label count
+
+    def __post_init__(self) -> None:
+        _at_least("data", "max_bytes", self.max_bytes, 1024)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction!r} must be between 0 and 1 (exclusive)")
+        _at_least("data", "synthetic_samples", self.synthetic_samples, 1)
+        _at_least("data", "image_size", self.image_size, 8)
+        _at_least("data", "num_classes", self.num_classes, 2)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model size. CNN/ResNet use `width`; the GPT uses layers/heads/embedding/block size."""
+
+    preset: str = ""  # GPT size preset; sets n_layer, n_head and n_embd (see GPT_PRESETS)
+    width: int = 32  # channels of the first convolution
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64  # tokens per sample
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("model", "preset", self.preset, ("",) + tuple(GPT_PRESETS))
+        if self.preset:
+            # Frozen dataclass: the preset is resolved once here so print-config shows real sizes.
+            for key, value in zip(("n_layer", "n_head", "n_embd"), GPT_PRESETS[self.preset]):
+                object.__setattr__(self, key, value)
+        for name in ("width", "n_layer", "n_head", "n_embd", "block_size"):
+            _at_least("model", name, getattr(self, name), 1)
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout!r} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning rate. `lr` is tuned for one rank's batch; scaling follows `lr_scaling`."""
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_scaling: str = "linear"  # lr x (ranks x accumulation) [linear], its square root [sqrt], or none
+    warmup_steps: int = 0  # linear warm-up from the base lr to the scaled lr
+    schedule: str = "constant"  # after warm-up
+    clip_grad_norm: float = 0.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name, OPTIMIZERS)
+        _choice("optim", "lr_scaling", self.lr_scaling, LR_SCALING)
+        _choice("optim", "schedule", self.schedule, SCHEDULES)
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr!r} must be > 0")
+        for name in ("momentum", "weight_decay", "warmup_steps", "clip_grad_norm"):
+            _at_least("optim", name, getattr(self, name), 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop length and batch shape. Global batch = ranks x batch_size x accumulation."""
+
+    epochs: int = 1
+    max_steps: int = 0  # stop after this many optimizer steps in total; 0 = run all epochs
+    batch_size: int = 32  # per rank, per micro-batch
+    accumulation: int = 1  # micro-batches per optimizer step (Horovod backward_passes_per_step)
+    eval_every: int = 0  # evaluate every N steps; 0 = at the end of each epoch
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("train", "epochs", self.epochs, 1)
+        _at_least("train", "max_steps", self.max_steps, 0)
+        _at_least("train", "batch_size", self.batch_size, 1)
+        _at_least("train", "accumulation", self.accumulation, 1)
+        _at_least("train", "eval_every", self.eval_every, 0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints: one folder per step under `dir`, written atomically, the last `keep` kept."""
+
+    dir: str = ""  # empty: no checkpoints
+    every: int = 0  # save every N steps; 0 = at the end of each epoch
+    keep: int = 3
+    # "": start fresh; "latest": the newest checkpoint in `dir` (it must exist); "auto": the newest
+    # if there is one (for requeued jobs); anything else: the path of one checkpoint folder.
+    resume: str = ""
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint", "every", self.every, 0)
+        _at_least("checkpoint", "keep", self.keep, 1)
+        if self.resume in ("latest", "auto") and not self.dir:
+            raise ConfigError(f"checkpoint.resume={self.resume} needs checkpoint.dir (the folder to look in)")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Rank-0 output: progress bar, JSONL metrics and TensorBoard under `dir`."""
+
+    dir: str = ""  # empty: no metrics files
+    every: int = 10  # steps between averaged train metrics
+    progress: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("log", "every", self.every, 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run. `task` picks built-in data and model; the library API ignores it."""
+
+    task: str = "digits"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _choice("config", "task", self.task, TASKS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _coerce(path: str, value: Any, typ: Any) -> Any:
+    """Check a raw value against a field's declared type (bool is not an int; int widens to float)."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; expected {typ.__name__}")
+
+
+def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from nested dicts, rejecting unknown keys and wrong types by name."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = prefix or "config"
+        raise ConfigError(f"unknown key {where}.{unknown[0]}; allowed: {', '.join(sorted(names))}")
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else key
+        typ = hints[key]
+        kwargs[key] = from_dict(typ, value, path) if dataclasses.is_dataclass(typ) else _coerce(path, value, typ)
+    return cls(**kwargs)
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) config file into nested dicts."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.').upper() or 'YAML'}: {first}") from None
+    return data or {}
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b=value` override in place; the value is parsed as a YAML scalar."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.key=value")
+    dotted, text = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def build(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), **top: Any) -> Config:
+    """Defaults <- file <- keyword values <- overrides, validated once at the end."""
+    raw: dict[str, Any] = load_file(path) if path else {}
+    raw.update({k: v for k, v in top.items() if v is not None})
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return from_dict(Config, raw)

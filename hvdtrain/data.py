@@ -1,0 +1,97 @@
+"""Sharded, resumable sampling.
+
+Training: each epoch draws one seeded permutation (identical on every rank), keeps only whole global
+batches, and gives rank r every n-th index starting at r. Micro-batch j of rank r then holds
+positions j*n*m + i*n + r, so the union of all ranks' micro-batches at a step is one contiguous
+slice of the permutation: exactly the batch a single process with batch n*m would draw. Every rank
+gets the same number of steps by construction, so nobody waits at the end of an epoch.
+
+Evaluation: rank r takes indices r, r+n, ... with no padding; shards may differ by one sample and
+the metrics are averaged as (sum over ranks) / (count over ranks), which is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from hvdtrain.errors import DataError
+from hvdtrain.world import World
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Per-rank micro-batches of a seeded, per-epoch permutation; resumes mid-epoch by sample count."""
+
+    def __init__(self, num_samples: int, world: World, micro_batch: int, accumulation: int = 1,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        self.num_samples = num_samples
+        self.world = world
+        self.micro_batch = micro_batch
+        self.accumulation = accumulation
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        # Samples of this epoch already consumed, counted globally (all ranks), so the position
+        # means the same thing whatever the world size on resume.
+        self.consumed = 0
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"the training set has {num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch} (ranks x train.batch_size x train.accumulation); lower train.batch_size"
+            )
+
+    @property
+    def global_batch(self) -> int:
+        return self.world.size * self.micro_batch * self.accumulation
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def advance(self, samples: int) -> None:
+        """Record that `samples` (global count) of this epoch were trained on."""
+        self.consumed += samples
+
+    def _permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n, m = self.world.size, self.micro_batch
+        usable = self.steps_per_epoch * self.global_batch
+        mine = self._permutation()[self.consumed:usable][self.world.rank::n]
+        for start in range(0, len(mine), m):
+            yield mine[start:start + m].tolist()
+
+    def __len__(self) -> int:
+        usable = self.steps_per_epoch * self.global_batch
+        return (usable - self.consumed) // (self.world.size * self.micro_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["consumed"] % self.global_batch:
+            raise DataError(
+                f"checkpoint position ({state['consumed']} samples into epoch {state['epoch']}) is not a "
+                f"multiple of the current global batch {self.global_batch}; resume with the same global batch"
+            )
+        self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]
+
+
+def train_loader(dataset: Dataset, sampler: ShardedBatchSampler) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+
+
+def eval_loader(dataset: Dataset, world: World, batch_size: int) -> DataLoader:
+    """This rank's unpadded shard of `dataset` (shards differ in size by at most one)."""
+    indices = list(range(world.rank, len(dataset), world.size))  # type: ignore[arg-type]
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size, shuffle=False)

@@ -1,0 +1,109 @@
+"""Metrics: per-rank sums kept as tensors between log steps, averaged across ranks with one named
+allreduce, and written by rank 0 only (JSONL and TensorBoard) through `RunLog`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from hvdtrain.world import World
+
+
+class MetricSums:
+    """Running per-rank sums of loss x samples and each metric's batch sums, plus the sample count.
+
+    Values stay as tensors (no .item(), so no host sync) until `reduce`, which all ranks must call
+    at the same point; it averages by total samples, so unequal shards are weighted exactly.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.samples = 0
+
+    def add(self, loss: torch.Tensor, batch_sums: dict[str, torch.Tensor], samples: int) -> None:
+        items = {"loss": loss.detach().double() * samples, **{k: v.detach().double() for k, v in batch_sums.items()}}
+        for key, value in items.items():
+            self.sums[key] = self.sums.get(key, 0) + value.cpu()
+        self.samples += samples
+
+    def reduce(self, world: World, name: str, keys: tuple[str, ...]) -> dict[str, float]:
+        """Averages over all ranks' samples. `keys` must be the same on every rank (a rank with an
+        empty shard still contributes zeros), so the allreduce shape always matches."""
+        vec = torch.zeros(len(keys) + 1, dtype=torch.float64)
+        for i, key in enumerate(keys):
+            if key in self.sums:
+                vec[i] = self.sums[key]
+        vec[-1] = self.samples
+        total = world.allreduce(vec, name=name, op="sum")
+        count = float(total[-1])
+        self.sums, self.samples = {}, 0
+        if count == 0:
+            return {}
+        return {key: float(total[i]) / count for i, key in enumerate(keys)}
+
+
+class RunLog:
+    """Rank 0 writes metrics.jsonl and TensorBoard events under `directory`; other ranks write nothing."""
+
+    def __init__(self, world: World, directory: str, tensorboard: bool = True) -> None:
+        self.active = world.is_root and bool(directory)
+        self.history: list[dict[str, Any]] = []
+        self._file = None
+        self._tb = None
+        if self.active:
+            path = Path(directory)
+            path.mkdir(parents=True, exist_ok=True)
+            self._file = open(path / "metrics.jsonl", "a", buffering=1)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(path / "tb"))
+
+    def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        """Record `values` (kind: train, eval, event) at optimizer step `step`."""
+        record = {"step": step, "kind": kind, "time": round(time.time(), 3), **values}
+        self.history.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """Rank 0's tqdm bar and status lines; on other ranks (or with progress off) lines still print
+    on rank 0 but nothing else happens."""
+
+    def __init__(self, world: World, total: int, initial: int, enabled: bool) -> None:
+        self.root = world.is_root
+        self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True) if self.root and enabled else None
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def set_postfix(self, **values: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**values, refresh=False)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.root:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,191 @@
+"""The training loop: plain code, top to bottom.
+
+Collective order per optimizer step, identical on every rank: the gradient allreduces Horovod's
+hooks start during backward (after the k-th micro-batch), then, on logging steps only, one metrics
+allreduce; at evaluation and checkpoint steps, their named collectives. Which steps those are
+depends only on the step counter and config, never on rank-local state, so ranks cannot diverge.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from hvdtrain.checkpoint import Checkpointer
+from hvdtrain.config import Config
+from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
+from hvdtrain.metrics import MetricSums, Progress, RunLog
+from hvdtrain.optim import LRSchedule, build_optimizer
+from hvdtrain.tasks import LossFn, classification_loss
+from hvdtrain.world import World, _import_horovod
+
+
+@dataclass
+class FitResult:
+    step: int
+    epoch: int
+    eval: dict[str, float] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _batch_len(batch: Any) -> int:
+    while isinstance(batch, (list, tuple, dict)):
+        batch = batch[0] if not isinstance(batch, dict) else next(iter(batch.values()))
+    return len(batch)
+
+
+def _groups(batches: Iterable[Any], k: int) -> Iterator[list[Any]]:
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+
+
+def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, batch_size: int) -> dict[str, float]:
+    """Loss and metrics over the whole `dataset`, sharded across ranks. All ranks must call."""
+    model.eval()
+    sums = MetricSums()
+    with torch.no_grad():
+        for batch in eval_loader(dataset, world, batch_size):
+            batch = _to_device(batch, world.device)
+            loss, batch_sums = loss_fn(model, batch)
+            sums.add(loss, batch_sums, _batch_len(batch))
+    model.train()
+    # Rank 0 always holds sample 0, so its keys are the metric names; a rank with an empty shard
+    # has none of its own but must still join the allreduce with the same shape.
+    keys = world.broadcast_object(tuple(sums.sums), name="hvdtrain.eval.keys")
+    return sums.reduce(world, "hvdtrain.eval", keys)
+
+
+def train_step(model: nn.Module, optimizer: Any, micro_batches: list[Any], loss_fn: LossFn,
+               sums: MetricSums, clip: float, device: torch.device) -> None:
+    """One optimizer step over k micro-batches; Horovod averages gradients after the k-th backward."""
+    for batch in micro_batches:
+        batch = _to_device(batch, device)
+        loss, batch_sums = loss_fn(model, batch)
+        (loss / len(micro_batches)).backward()
+        sums.add(loss, batch_sums, _batch_len(batch))
+    if clip > 0:
+        # Clip the averaged gradient: wait for the allreduces, clip, then step without a second sync.
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, sampler: ShardedBatchSampler,
+                          ckpt: Checkpointer, config: dict[str, Any]) -> tuple[int, str | None]:
+    state = ckpt.restore(config)
+    if state is None:
+        # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
+        # every rank, and Horovod's broadcast_optimizer_state would run a zero-gradient step that
+        # applies weight decay and advances Adam's counter (horovod#2805).
+        world.broadcast_parameters(model.state_dict())
+        return 0, None
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    return state["step"], state["path"]
+
+
+def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
+        cfg: Config | None = None, eval_set: Dataset | None = None,
+        loss_fn: LossFn = classification_loss) -> FitResult:
+    """Train `model` data-parallel on `train_set`. All ranks must call with the same arguments.
+
+    `optimizer` is built for one rank's batch (None: built from `cfg.optim`); its lr is scaled by
+    `cfg.optim.lr_scaling`. `loss_fn(model, batch)` returns (mean loss, {metric: batch sum}).
+    """
+    cfg = cfg or Config()
+    hvd, tc = _import_horovod(), cfg.train
+    model.to(world.device)
+    seed_everything(cfg.seed + world.rank)
+    sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle)
+    total = sampler.steps_per_epoch * tc.epochs
+    total = min(total, tc.max_steps) if tc.max_steps else total
+    optimizer = hvd.DistributedOptimizer(
+        optimizer or build_optimizer(model, cfg.optim), named_parameters=model.named_parameters(),
+        backward_passes_per_step=tc.accumulation, op=hvd.Average)
+    schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
+    ckpt = Checkpointer(cfg.checkpoint, world)
+    step, resumed = _restore_or_broadcast(world, model, optimizer, sampler, ckpt, cfg.to_dict())
+    log = RunLog(world, cfg.log.dir, cfg.log.tensorboard)
+    log.write(step, "event", {"event": "start", "world_size": world.size, "global_batch": sampler.global_batch,
+                              "steps": total, "lr_factor": schedule.factor, "resumed_from": resumed})
+    bar = Progress(world, total, step, cfg.log.progress)
+    bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
+              f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" if resumed else ""))
+    result = FitResult(step=step, epoch=sampler.epoch, history=log.history, checkpoint=resumed)
+    sums, clock, train_stats = MetricSums(), time.perf_counter(), {}
+    for epoch in range(sampler.epoch, tc.epochs):
+        if step >= total:
+            break
+        sampler.set_epoch(epoch)
+        for micro_batches in _groups(train_loader(train_set, sampler), tc.accumulation):
+            lr = schedule.apply(step)
+            train_step(model, optimizer, micro_batches, loss_fn, sums, cfg.optim.clip_grad_norm, world.device)
+            step += 1
+            sampler.advance(sampler.global_batch)
+            bar.update(1)
+            done = step >= total
+            end_of_epoch = sampler.consumed >= sampler.steps_per_epoch * sampler.global_batch
+            if end_of_epoch:
+                sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
+            if step % cfg.log.every == 0 or done or end_of_epoch:
+                train_stats = sums.reduce(world, "hvdtrain.train", tuple(sums.sums))
+                elapsed, clock = time.perf_counter() - clock, time.perf_counter()
+                steps_since = step % cfg.log.every or cfg.log.every
+                train_stats.update(lr=lr, epoch=epoch, samples_per_s=steps_since * sampler.global_batch / elapsed)
+                log.write(step, "train", train_stats)
+                bar.set_postfix(loss=f"{train_stats['loss']:.4f}")
+            if eval_set is not None and (step % tc.eval_every == 0 if tc.eval_every else end_of_epoch or done):
+                result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
+                log.write(step, "eval", result.eval)
+                bar.write(_summary(epoch, tc.epochs, step, train_stats, result.eval))
+            if ckpt.due(step, end_of_epoch) or (done and ckpt.dir is not None):
+                state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "sampler": sampler.state_dict()}
+                result.checkpoint = str(ckpt.save(step, state, cfg.to_dict()))
+            if done:
+                break
+    bar.close()
+    log.write(step, "event", {"event": "end", "checkpoint": result.checkpoint})
+    log.close()
+    result.step, result.epoch = step, sampler.epoch
+    return result
+
+
+def _summary(epoch: int, epochs: int, step: int, train: dict[str, float], evaluation: dict[str, float]) -> str:
+    shown = " ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+    loss = f"train loss {train['loss']:.4f} | " if "loss" in train else ""
+    return f"epoch {epoch + 1}/{epochs} step {step}: {loss}eval {shown}"

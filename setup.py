@@ -1,0 +1,21 @@
+from setuptools import setup
+
+setup(
+    name="hvdtrain",
+    version="0.1.0",
+    description="Horovod-based data-parallel training toolkit for PyTorch",
+    packages=["hvdtrain"],
+    python_requires=">=3.10",
+    # torch and horovod are installed by scripts/install.sh (Horovod 0.28.1 needs a patched build
+    # against PyTorch >= 2.1), so they are declared with the ranges we test, not fetched here.
+    install_requires=[
+        "torch>=2.1,<2.15",
+        "horovod==0.28.1",
+        "numpy>=1.26",
+        "scikit-learn>=1.3",
+        "tqdm>=4.66",
+        "tensorboard>=2.14",
+        "pyyaml>=6.0",
+    ],
+    entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
+)

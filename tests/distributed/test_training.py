@@ -1,0 +1,98 @@
+"""Run under horovodrun at any world size (and plainly, as size 1)."""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
+
+import hvdtrain
+from hvdtrain.config import CheckpointConfig
+from hvdtrain.tasks import classification_loss
+
+
+def plain_pytorch_reference(world_size, cfg, data):
+    """Single process, plain PyTorch: the same global batches (unshuffled, contiguous), one step each."""
+    model = mlp(seed=0)
+    lr = cfg.optim.lr * world_size * cfg.train.accumulation  # the linear rule, by hand
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.optim.momentum)
+    batch = world_size * cfg.train.batch_size * cfg.train.accumulation
+    x, y = data.tensors
+    for _ in range(cfg.train.epochs):
+        for start in range(0, len(y) - batch + 1, batch):
+            opt.zero_grad()
+            F.cross_entropy(model(x[start:start + batch]), y[start:start + batch]).backward()
+            opt.step()
+    return model
+
+
+def test_matches_single_process_reference(world):
+    cfg = small_config()
+    data = blobs()
+    model = mlp(seed=0)
+    result = hvdtrain.fit(world, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), data, cfg)
+    reference = plain_pytorch_reference(world.size, cfg, data)
+    assert result.step == cfg.train.epochs * (len(data) // (world.size * 8))
+    # Averaging per-rank means differs from one big mean only in fp32 summation order.
+    torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_identical_on_all_ranks_after_broadcast_and_every_step(world):
+    checks = []
+
+    def checking_loss(model, batch):
+        # Called at each micro-batch, so after the initial broadcast and after every optimizer step.
+        local = flat_params(model).double()
+        every = world.allgather_object(local, name="test.params")
+        checks.append(all(torch.equal(local, other) for other in every))
+        return classification_loss(model, batch)
+
+    model = mlp(seed=100 + world.rank)  # deliberately different weights per rank before fit
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hvdtrain.fit(world, model, opt, blobs(), small_config(epochs=1, shuffle=True), loss_fn=checking_loss)
+    assert checks and all(checks)
+    final = world.allgather_object(flat_params(model), name="test.final")
+    assert all(torch.equal(final[0], f) for f in final)
+
+
+def test_resume_continues_loss_sequence_and_weights_exactly(world):
+    data = blobs(n=160)
+    folder = shared_tmpdir(world)
+    base = small_config(epochs=3, shuffle=True, batch_size=2, accumulation=1)
+    base = dataclasses.replace(base, optim=dataclasses.replace(base.optim, schedule="cosine", warmup_steps=3))
+
+    class Crash(Exception):
+        pass
+
+    def run(cfg, crash_at=None):
+        model, calls = mlp(seed=1), [0]
+
+        def loss_fn(m, batch):
+            # Every rank raises at the same micro-batch, before any collective of that step.
+            calls[0] += 1
+            if calls[0] == crash_at:
+                raise Crash
+            return classification_loss(m, batch)
+
+        return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)
+
+    whole_model, whole = run(base)
+    stop = whole.step // 2 + 1  # mid-epoch
+    ck = CheckpointConfig(dir=f"{folder}/ck", every=stop)
+    crashed = dataclasses.replace(base, checkpoint=ck)
+    try:
+        run(crashed, crash_at=stop + 3)  # dies a few steps after the checkpoint at `stop`
+    except Crash:
+        pass
+    else:
+        raise AssertionError("the run should have crashed")
+    first = [r for r in whole.history if r["kind"] == "train" and r["step"] <= stop]
+    resumed_model, resumed = run(dataclasses.replace(base, checkpoint=dataclasses.replace(ck, resume="latest")))
+    assert resumed.history[0]["resumed_from"].endswith(f"step_{stop:08d}")
+    losses = lambda h: [(r["step"], r["loss"]) for r in h if r["kind"] == "train"]  # noqa: E731
+    assert losses(first) + losses(resumed.history) == losses(whole.history)
+    exact = world.size <= 2  # a two-rank sum is order-free; larger rings may fuse in another order
+    if exact:
+        assert torch.equal(flat_params(resumed_model), flat_params(whole_model))
+    else:
+        torch.testing.assert_close(flat_params(resumed_model), flat_params(whole_model))

@@ -1,0 +1,41 @@
+"""Shared test helpers: a tiny classification problem, plain-PyTorch references, rank-shared tmp dirs."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hvdtrain.config import Config, LogConfig, OptimConfig, TrainConfig
+
+
+def blobs(n: int = 192, dim: int = 12, classes: int = 3, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, dim, generator=g) * 2
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = centers[y] + torch.randn(n, dim, generator=g)
+    return TensorDataset(x, y)
+
+
+def mlp(seed: int = 0, dim: int = 12, classes: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, classes))
+
+
+def small_config(**train) -> Config:
+    base = {"epochs": 2, "batch_size": 4, "accumulation": 2, "shuffle": False}
+    base.update(train)
+    return Config(train=TrainConfig(**base), optim=OptimConfig(name="sgd", lr=0.05, momentum=0.9),
+                  log=LogConfig(every=1, progress=False, tensorboard=False))
+
+
+def shared_tmpdir(world) -> str:
+    """A folder made by rank 0 and named to every rank (all ranks run on one host in tests)."""
+    path = tempfile.mkdtemp(prefix="hvdtrain-test-") if world.is_root else None
+    return world.broadcast_object(path, name="test.tmpdir")
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
