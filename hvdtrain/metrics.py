@@ -4,6 +4,7 @@ allreduce, and written by rank 0 only (JSONL and TensorBoard) through `RunLog`."
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,11 @@ class Progress:
 
     def __init__(self, world: World, total: int, initial: int, enabled: bool) -> None:
         self.root = world.is_root
-        self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True) if self.root and enabled else None
+        # Under a launcher stderr is a pipe: redraw rarely so logs get a status line, not a flood.
+        interval = 0.1 if sys.stderr.isatty() else 30.0
+        self.bar = None
+        if self.root and enabled:
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, mininterval=interval)
 
     def update(self, n: int) -> None:
         if self.bar is not None:

@@ -154,14 +154,26 @@ check_build() {
   done
 }
 
+# What the Python steps depend on; when it matches the last good run they are skipped (seconds, not a minute).
+stamp() {
+  cat "$ROOT/scripts/install.sh" "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16
+  echo "$TORCH_VERSION ${CUDA:-cpu} ${HVDTRAIN_TORCH_INDEX:-}"
+}
+
 main() {
   system_packages
   make_venv
+  if [ "$DRY" != 1 ] && [ "$(cat "$VENV/.hvdtrain-stamp" 2>/dev/null)" = "$(stamp)" ] \
+     && "$VENV/bin/python" -c 'import horovod.torch, hvdtrain' 2>/dev/null; then
+    say "up to date: $VENV"
+    return 0
+  fi
   install_torch
   install_python_deps
   install_horovod
   install_hvdtrain
   check_build
+  [ "$DRY" = 1 ] || stamp >"$VENV/.hvdtrain-stamp"
   [ "$DRY" = 1 ] || say "ready: $VENV ($(horovod_key))"
 }
 main "$@"

@@ -1,0 +1,56 @@
+"""Run commands (horovodrun, the CLI) under a hard timeout; on a hang or failure show each rank's
+last output lines so the log says which rank stopped where."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+# horovodrun tags lines "[1]<stdout>:" (Gloo) or "[1,1]<stdout>:" (MPI); the last number is the rank.
+_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\]<(?:stdout|stderr)>:")
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = f"{BIN}:{e.get('PATH', '')}"
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.pop("PYTEST_CURRENT_TEST", None)
+    e.update(extra)
+    return e
+
+
+def rank_tails(output: str, lines: int = 15) -> str:
+    by_rank: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        m = _TAG.match(line)
+        by_rank.setdefault(m.group(1) if m else "launcher", []).append(line)
+    parts = [f"--- {who}: last {lines} lines ---\n" + "\n".join(out[-lines:]) for who, out in sorted(by_rank.items())]
+    return "\n".join(parts)
+
+
+def run(cmd: list[str], timeout: float = 240, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """Run `cmd`, killing its whole process group after `timeout` seconds."""
+    kw.setdefault("env", env())
+    kw.setdefault("cwd", ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{rank_tails(out)}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{rank_tails(out, 40)}")
+    return result
+
+
+def horovodrun(args: list[str], np: int = 2, controller: str = "gloo", **kw) -> subprocess.CompletedProcess:
+    return run([str(BIN / "horovodrun"), "-np", str(np), f"--{controller}", *args], **kw)
