@@ -99,10 +99,11 @@ class Checkpointer:
         self.cfg, self.world = cfg, world
         self.dir = Path(cfg.dir) if cfg.dir else None
 
-    def due(self, step: int, end_of_epoch: bool) -> bool:
+    def due(self, step: int, end_of_epoch: bool, last: bool) -> bool:
+        """Every `every` steps (or at epoch ends), and always after the last step."""
         if self.dir is None:
             return False
-        return step % self.cfg.every == 0 if self.cfg.every else end_of_epoch
+        return last or (step % self.cfg.every == 0 if self.cfg.every else end_of_epoch)
 
     def save(self, step: int, state: dict[str, Any], config: dict[str, Any]) -> Path:
         """Write `state` (rank 0's) plus every rank's RNG state as folder step_<step>. All ranks call."""

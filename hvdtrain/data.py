@@ -50,6 +50,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch
 
+    @property
+    def epoch_done(self) -> bool:
+        return self.consumed >= self.steps_per_epoch * self.global_batch
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0

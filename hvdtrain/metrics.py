@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hvdtrain.config import LogConfig
 from hvdtrain.world import World
 
 
@@ -112,3 +113,43 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class TrainLog:
+    """Everything one `fit` reports: per-rank sums, their average every `every` steps (and at epoch
+    ends), eval lines, events, the progress bar. `train_step_done` must be called on all ranks."""
+
+    def __init__(self, world: World, cfg: LogConfig, total: int, initial: int) -> None:
+        self.world, self.every = world, cfg.every
+        self.sums = MetricSums()
+        self.run = RunLog(world, cfg.dir, cfg.tensorboard)
+        self.bar = Progress(world, total, initial, cfg.progress)
+        self.last: dict[str, float] = {}
+        self._clock, self._since = time.perf_counter(), 0
+
+    def train_step_done(self, step: int, samples: int, boundary: bool, **extra: Any) -> None:
+        """Count one optimizer step of `samples` (global); average and write when due."""
+        self.bar.update(1)
+        self._since += samples
+        if step % self.every and not boundary:
+            return
+        stats = self.sums.reduce(self.world, "hvdtrain.train", tuple(self.sums.sums))
+        now = time.perf_counter()
+        stats.update(extra, samples_per_s=self._since / max(now - self._clock, 1e-9))
+        self._clock, self._since, self.last = now, 0, stats
+        self.run.write(step, "train", stats)
+        if "loss" in stats:
+            self.bar.set_postfix(loss=f"{stats['loss']:.4f}")
+
+    def evaluated(self, step: int, epoch: int, epochs: int, values: dict[str, float]) -> None:
+        self.run.write(step, "eval", values)
+        shown = " ".join(f"{k} {v:.4f}" for k, v in values.items())
+        loss = f"train loss {self.last['loss']:.4f} | " if "loss" in self.last else ""
+        self.bar.write(f"epoch {epoch + 1}/{epochs} step {step}: {loss}eval {shown}")
+
+    def event(self, step: int, name: str, **values: Any) -> None:
+        self.run.write(step, "event", {"event": name, **values})
+
+    def close(self) -> None:
+        self.bar.close()
+        self.run.close()

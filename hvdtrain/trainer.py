@@ -9,7 +9,6 @@ depends only on the step counter and config, never on rank-local state, so ranks
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ from torch.utils.data import Dataset
 from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
-from hvdtrain.metrics import MetricSums, Progress, RunLog
+from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.world import World, _import_horovod
@@ -139,53 +138,35 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
     step, resumed = _restore_or_broadcast(world, model, optimizer, sampler, ckpt, cfg.to_dict())
-    log = RunLog(world, cfg.log.dir, cfg.log.tensorboard)
-    log.write(step, "event", {"event": "start", "world_size": world.size, "global_batch": sampler.global_batch,
-                              "steps": total, "lr_factor": schedule.factor, "resumed_from": resumed})
-    bar = Progress(world, total, step, cfg.log.progress)
-    bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
-              f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" if resumed else ""))
-    result = FitResult(step=step, epoch=sampler.epoch, history=log.history, checkpoint=resumed)
-    sums, clock, train_stats = MetricSums(), time.perf_counter(), {}
+    log = TrainLog(world, cfg.log, total, step)
+    log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
+              lr_factor=schedule.factor, resumed_from=resumed)
+    log.bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
+                  f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" * bool(resumed)))
+    result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)
     for epoch in range(sampler.epoch, tc.epochs):
         if step >= total:
             break
         sampler.set_epoch(epoch)
         for micro_batches in _groups(train_loader(train_set, sampler), tc.accumulation):
             lr = schedule.apply(step)
-            train_step(model, optimizer, micro_batches, loss_fn, sums, cfg.optim.clip_grad_norm, world.device)
+            train_step(model, optimizer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm, world.device)
             step += 1
             sampler.advance(sampler.global_batch)
-            bar.update(1)
-            done = step >= total
-            end_of_epoch = sampler.consumed >= sampler.steps_per_epoch * sampler.global_batch
+            done, end_of_epoch = step >= total, sampler.epoch_done
             if end_of_epoch:
                 sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
-            if step % cfg.log.every == 0 or done or end_of_epoch:
-                train_stats = sums.reduce(world, "hvdtrain.train", tuple(sums.sums))
-                elapsed, clock = time.perf_counter() - clock, time.perf_counter()
-                steps_since = step % cfg.log.every or cfg.log.every
-                train_stats.update(lr=lr, epoch=epoch, samples_per_s=steps_since * sampler.global_batch / elapsed)
-                log.write(step, "train", train_stats)
-                bar.set_postfix(loss=f"{train_stats['loss']:.4f}")
+            log.train_step_done(step, sampler.global_batch, done or end_of_epoch, lr=lr, epoch=epoch)
             if eval_set is not None and (step % tc.eval_every == 0 if tc.eval_every else end_of_epoch or done):
                 result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
-                log.write(step, "eval", result.eval)
-                bar.write(_summary(epoch, tc.epochs, step, train_stats, result.eval))
-            if ckpt.due(step, end_of_epoch) or (done and ckpt.dir is not None):
+                log.evaluated(step, epoch, tc.epochs, result.eval)
+            if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "sampler": sampler.state_dict()}
                 result.checkpoint = str(ckpt.save(step, state, cfg.to_dict()))
             if done:
                 break
-    bar.close()
-    log.write(step, "event", {"event": "end", "checkpoint": result.checkpoint})
+    log.event(step, "end", checkpoint=result.checkpoint)
     log.close()
     result.step, result.epoch = step, sampler.epoch
     return result
-
-
-def _summary(epoch: int, epochs: int, step: int, train: dict[str, float], evaluation: dict[str, float]) -> str:
-    shown = " ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
-    loss = f"train loss {train['loss']:.4f} | " if "loss" in train else ""
-    return f"epoch {epoch + 1}/{epochs} step {step}: {loss}eval {shown}"
