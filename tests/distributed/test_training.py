@@ -90,9 +90,14 @@ def test_resume_continues_loss_sequence_and_weights_exactly(world):
     resumed_model, resumed = run(dataclasses.replace(base, checkpoint=dataclasses.replace(ck, resume="latest")))
     assert resumed.history[0]["resumed_from"].endswith(f"step_{stop:08d}")
     losses = lambda h: [(r["step"], r["loss"]) for r in h if r["kind"] == "train"]  # noqa: E731
-    assert losses(first) + losses(resumed.history) == losses(whole.history)
-    exact = world.size <= 2  # a two-rank sum is order-free; larger rings may fuse in another order
-    if exact:
+    got, want = losses(first) + losses(resumed.history), losses(whole.history)
+    # A two-rank sum is order-free, so runs repeat bit for bit. With 3+ ranks Horovod's tensor fusion
+    # (timing-dependent) can place an element in another ring chunk and change the fp32 summation
+    # order, so two identical runs already differ in the last bits.
+    if world.size <= 2:
+        assert got == want
         assert torch.equal(flat_params(resumed_model), flat_params(whole_model))
     else:
-        torch.testing.assert_close(flat_params(resumed_model), flat_params(whole_model))
+        assert [s for s, _ in got] == [s for s, _ in want]
+        torch.testing.assert_close([v for _, v in got], [v for _, v in want], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(flat_params(resumed_model), flat_params(whole_model), rtol=1e-4, atol=1e-6)
