@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from hvdtrain import config as config_mod
+from hvdtrain import launch
 from hvdtrain.config import TASKS, Config
 from hvdtrain.errors import HvdtrainError
 
@@ -30,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--out", help="run folder: sets log.dir and checkpoint.dir to OUT and OUT/checkpoints")
         s.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="continue from the latest checkpoint (or from PATH); 'auto' resumes only if one exists")
+    launch.add_arguments(sub.add_parser("launch", help="run horovodrun across hosts (Slurm, hostfile) after preflight"))
     return p
 
 
@@ -63,6 +65,8 @@ def train(cfg: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "launch":
+            return launch.main(args)
         cfg = resolve(args)
         if args.command == "print-config":
             import yaml

@@ -1,0 +1,334 @@
+"""`hvdtrain launch`: start horovodrun across hosts from a login node or inside a Slurm job.
+
+The host list comes from `--hosts`, a `--hostfile`, or Slurm's environment (compressed node lists
+such as `node[01-03,07]`, task counts such as `2(x3),1`). Before anything starts, a preflight check
+asks every host over ssh for what a multi-host job needs (same Python, torch, Horovod and hvdtrain
+path, the working directory, the network interface, a routable hostname) and prints one line per
+problem naming the host: a mismatch found here is a clear error instead of a hang at rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvdtrain.errors import HvdtrainError
+
+# Open MPI's default (tuned) allreduce at 3 ranks measured ~2.7x slower than ring on a limited link
+# (docs/multihost.md); algorithm 4 is ring. horovodrun already passes `-mca btl ...`: passing btl
+# again is rejected, so only coll_tuned settings go here.
+MPI_RING_ARGS = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
+SSH_TIMEOUT_S = 10
+
+
+class LaunchError(HvdtrainError):
+    """A bad host list, Slurm variable or launch option."""
+
+
+class PreflightError(HvdtrainError):
+    """A host that cannot run the job; the lines printed before it name each problem."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+# ---- host lists -------------------------------------------------------------------------------
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets: `a[1-2],b` -> ['a[1-2]', 'b']."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise LaunchError(f"bad Slurm node list {text!r}: unbalanced or nested brackets")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise LaunchError(f"bad Slurm node list {text!r}: unclosed '['")
+    return parts + [cur]
+
+
+def _expand_range(item: str, whole: str) -> list[str]:
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+    if not m:
+        raise LaunchError(f"bad Slurm node list {whole!r}: {item!r} is not a number or range")
+    lo, hi = m.group(1), m.group(2) or m.group(1)
+    if int(hi) < int(lo):
+        raise LaunchError(f"bad Slurm node list {whole!r}: range {item!r} runs backwards")
+    width = len(lo)  # Slurm keeps the zero padding of the range start: node[08-10]
+    return [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Expand a Slurm node list (`node[01-03,07],gpu-a[1-2]-ib`) into host names, in order."""
+    names: list[str] = []
+    for part in _split_top(text.strip()):
+        if not part:
+            raise LaunchError(f"bad Slurm node list {text!r}: empty entry")
+        # Each [..] group multiplies out, so rack[1-2]-n[1-2] gives 4 names.
+        expanded = [""]
+        for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            options = [literal]
+            if group:
+                options = [literal + x for item in group.split(",") for x in _expand_range(item, text)]
+            expanded = [e + o for e in expanded for o in options]
+        names += expanded
+    return names
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE (`2(x3),1` -> [2, 2, 2, 1])."""
+    counts: list[int] = []
+    for item in text.strip().split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m or int(m.group(1)) < 1:
+            raise LaunchError(f"bad SLURM_TASKS_PER_NODE {text!r}: expected entries like 2 or 2(x3)")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def hosts_from_slurm(env: Mapping[str, str]) -> list[Host]:
+    """Hosts and slots of the current Slurm allocation."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError("no host list: pass --hosts or --hostfile, or run inside a Slurm job (SLURM_JOB_NODELIST)")
+    names = expand_nodelist(nodelist)
+    if env.get("SLURM_TASKS_PER_NODE"):
+        slots = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+    elif env.get("SLURM_NTASKS_PER_NODE"):
+        slots = expand_tasks_per_node(env["SLURM_NTASKS_PER_NODE"]) * len(names)
+    else:
+        slots = [1] * len(names)
+    if len(slots) == 1:
+        slots = slots * len(names)
+    if len(slots) != len(names):
+        raise LaunchError(f"Slurm gives {len(names)} nodes ({nodelist}) but {len(slots)} task counts "
+                          f"({env.get('SLURM_TASKS_PER_NODE') or env.get('SLURM_NTASKS_PER_NODE')})")
+    return [Host(n, s) for n, s in zip(names, slots)]
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """Parse horovodrun's `-H` form: `h1:2,h2:1` (slots default to 1)."""
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise LaunchError(f"bad --hosts entry {item!r}: expected host or host:slots, e.g. h1:2,h2:1")
+        hosts.append(Host(name, int(slots or 1)))
+    return hosts
+
+
+def read_hostfile(path: str | Path) -> list[Host]:
+    """Read a horovodrun/MPI hostfile: `host slots=N` per line, `#` comments."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}") from None
+    hosts = []
+    for no, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?", line)
+        if not m or m.group(2) == "0":
+            raise LaunchError(f"hostfile {path} line {no}: expected 'host slots=N', got {line!r}")
+        hosts.append(Host(m.group(1), int(m.group(2) or 1)))
+    if not hosts:
+        raise LaunchError(f"hostfile {path} lists no hosts")
+    return hosts
+
+
+def resolve_hosts(args: argparse.Namespace, env: Mapping[str, str]) -> list[Host]:
+    if args.hosts and args.hostfile:
+        raise LaunchError("pass either --hosts or --hostfile, not both")
+    hosts = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile \
+        else hosts_from_slurm(env)
+    seen = [h.name for h in hosts]
+    dup = sorted({n for n in seen if seen.count(n) > 1})
+    if dup:
+        raise LaunchError(f"host listed twice: {', '.join(dup)}")
+    return hosts
+
+
+# ---- the horovodrun command -------------------------------------------------------------------
+
+
+def build_command(args: argparse.Namespace, hosts: list[Host]) -> list[str]:
+    """horovodrun's argument list for these hosts and options."""
+    total = sum(h.slots for h in hosts)
+    np = args.np or total
+    if np > total:
+        raise LaunchError(f"-np {np} is more than the {total} slots of {len(hosts)} host(s)")
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    cmd = [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", str(np),
+           "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts), f"--{args.controller}"]
+    if args.network_interface:
+        cmd += ["--network-interface", args.network_interface]
+    if args.ssh_port:
+        cmd += ["-p", str(args.ssh_port)]
+    mpi_args = " ".join(a for a in ((MPI_RING_ARGS if args.mpi_allreduce == "ring" else ""), args.mpi_args) if a)
+    if re.search(r"(^|\s)--?mca\s+btl\s", args.mpi_args or ""):
+        raise LaunchError("--mpi-args must not set 'btl': horovodrun already passes -mca btl "
+                          "(Open MPI rejects it twice)")
+    if args.controller == "mpi" and mpi_args:
+        cmd.append(f"--mpi-args={mpi_args}")
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise LaunchError("no command to launch: hvdtrain launch [options] -- COMMAND ...")
+    return cmd + command
+
+
+# ---- preflight --------------------------------------------------------------------------------
+
+# Runs on every host with the launcher's interpreter path; prints one JSON object. Versions come
+# from package metadata so nothing heavy (torch, the Horovod extension) is imported.
+_PROBE = r"""
+import importlib.metadata as md, importlib.util as iu, json, os, socket, sys
+def v(p):
+    try: return md.version(p)
+    except Exception: return None
+name = socket.gethostname()
+try: ip = socket.gethostbyname(name)
+except OSError: ip = None
+spec = iu.find_spec("hvdtrain")
+nic = sys.argv[2]
+print(json.dumps({"hostname": name, "ip": ip, "python": sys.version.split()[0], "executable": sys.executable,
+    "torch": v("torch"), "horovod": v("horovod"), "hvdtrain": spec.origin if spec else None,
+    "cwd": os.path.isdir(sys.argv[1]), "nic": (not nic) or os.path.exists("/sys/class/net/" + nic),
+    "nics": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []}))
+"""
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+
+
+def is_local(host: str, local: set[str]) -> bool:
+    """Like horovodrun: a host whose address is one of ours is started without ssh."""
+    try:
+        return socket.gethostbyname(host) in local
+    except OSError:
+        return False
+
+
+def probe(host: str, local: bool, nic: str, ssh_port: int | None) -> dict:
+    """Facts about `host`, or {"error": "..."}; runs the probe over ssh unless the host is local."""
+    code = [sys.executable, "-c", _PROBE, os.getcwd(), nic or ""]
+    if not local:
+        port = ["-p", str(ssh_port)] if ssh_port else []
+        # Same options horovodrun's own ssh check uses, plus a timeout so a dead host fails fast.
+        code = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no", "-o",
+                f"ConnectTimeout={SSH_TIMEOUT_S}", "-o", "BatchMode=yes", *port, host, shlex.join(code)]
+    try:
+        out = subprocess.run(code, capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 20, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {SSH_TIMEOUT_S + 20} s"}
+    if out.returncode == 255 and not local:
+        return {"error": f"not reachable over ssh: {_last_line(out.stderr)}"}
+    if out.returncode != 0:
+        return {"error": f"{sys.executable} failed there (same Python path needed on every host): "
+                         f"{_last_line(out.stderr)}"}
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"unexpected probe output: {_last_line(out.stdout)}"}
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str) -> list[str]:
+    """One line per problem on `host`, compared with the launcher's own facts `ref`."""
+    if "error" in facts:
+        return [f"host {host}: {facts['error']}"]
+    out = []
+    for key, what in (("python", "Python"), ("torch", "torch"), ("horovod", "Horovod")):
+        if facts.get(key) != ref.get(key):
+            out.append(f"host {host}: {what} {facts.get(key) or 'missing'}, launcher has {ref.get(key)}")
+    if facts.get("hvdtrain") != ref.get("hvdtrain"):
+        where = facts.get("hvdtrain") or "missing"
+        out.append(f"host {host}: hvdtrain at {where}, launcher uses {ref.get('hvdtrain')} (same code path needed)")
+    if not facts.get("cwd"):
+        out.append(f"host {host}: working directory {os.getcwd()} does not exist (ranks start there)")
+    if not facts.get("nic"):
+        out.append(f"host {host}: network interface {nic} not found (has: {', '.join(facts.get('nics', []))})")
+    ip = facts.get("ip")
+    # Gloo trap 1: Gloo binds to what gethostname() resolves to, ignoring --network-interface.
+    if controller == "gloo" and (ip is None or ip.startswith("127.")):
+        seen = f"resolves to loopback {ip}" if ip else "does not resolve"
+        out.append(f"host {host}: hostname {facts.get('hostname')} {seen}; Gloo needs it to resolve to the "
+                   "host's routable address (fix /etc/hosts, e.g. remove a '127.0.1.1 <hostname>' line)")
+    return out
+
+
+def preflight(hosts: list[Host], nic: str, controller: str, ssh_port: int | None = None) -> list[str]:
+    """Check every host in parallel; returns the problem lines (empty when all is well)."""
+    local = _local_addresses()
+    flags = [is_local(h.name, local) for h in hosts]
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts) + 1)) as pool:
+        ref_job = pool.submit(probe, "localhost", True, "", None)
+        jobs = [pool.submit(probe, h.name, f, nic, ssh_port) for h, f in zip(hosts, flags)]
+        ref = ref_job.result()
+        return [line for h, j in zip(hosts, jobs) for line in host_problems(h.name, j.result(), ref, nic, controller)]
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", help="host list like h1:2,h2:1 (default: --hostfile or the Slurm allocation)")
+    p.add_argument("--hostfile", help="hostfile with 'host slots=N' lines")
+    p.add_argument("-np", "--np", type=int, help="number of ranks (default: all slots)")
+    p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo", help="Horovod controller (default gloo)")
+    p.add_argument("--network-interface", help="NIC for Horovod traffic, checked on every host (e.g. eth0, ib0)")
+    p.add_argument("--mpi-allreduce", choices=("ring", "default"), default="ring",
+                   help="MPI only: force Open MPI's ring allreduce (default) or keep its own choice")
+    p.add_argument("--mpi-args", default="", help="extra mpirun arguments (not --mca btl: horovodrun sets it)")
+    p.add_argument("--ssh-port", type=int, help="ssh port on the hosts")
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks over ssh")
+    p.add_argument("--dry-run", action="store_true", help="print the horovodrun command and exit")
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- COMMAND ... to run on every rank")
+
+
+def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """Resolve hosts, check them, then replace this process with horovodrun."""
+    hosts = resolve_hosts(args, os.environ if env is None else env)
+    cmd = build_command(args, hosts)
+    if args.dry_run:
+        print(shlex.join(cmd), flush=True)
+        return 0
+    if not args.no_preflight:
+        problems = preflight(hosts, args.network_interface or "", args.controller, args.ssh_port)
+        for line in problems:
+            print(f"hvdtrain: preflight: {line}", file=sys.stderr, flush=True)
+        if problems:
+            raise PreflightError(f"preflight failed: {len(problems)} problem(s) on "
+                                 f"{len({p.split(':')[0] for p in problems})} host(s); nothing was started")
+        print(f"hvdtrain: preflight ok: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slot(s)", flush=True)
+    print(f"hvdtrain: {shlex.join(cmd)}", flush=True)
+    # exec keeps signals (scancel, Ctrl-C) going straight to horovodrun, which tears the ranks down.
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
