@@ -1,0 +1,168 @@
+"""Multi-host for real: ranks launched over ssh into network-namespace hosts (scripts/testbed.sh).
+
+Each rank prints its hostname and network-namespace inode before training, so the tests can check
+that ranks ran where the host list put them; the trained model must equal a one-host run of the
+same global batch. Needs root (namespaces, unshare); elsewhere every test skips with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from launch import BIN, ROOT, env, run
+
+from hvdtrain.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.netns
+
+TESTBED = str(ROOT / "scripts" / "testbed.sh")
+PREFIX = f"hvdt{os.getpid() % 100000}"  # unique per session: a concurrent copy cannot clash
+HOSTS = [f"{PREFIX}-n{i}" for i in range(3)]
+RATE = "200mbit"
+STEPS, PER_RANK = 12, 16
+TRAIN = ["train", "--config", "configs/digits.yaml", "--set", f"train.max_steps={STEPS}", "--set",
+         "log.progress=false", "--set", "optim.lr_scaling=none"]  # same lr for 3x16 and 1x48
+PROBE = """import os, socket, sys
+rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+print(f"whoami rank={rank} host={socket.gethostname()} netns={os.stat('/proc/self/ns/net').st_ino}", flush=True)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def why_no_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "multi-host tests need root: network namespaces, bind mounts and unshare (testbed.md trap 9)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create namespaces here (needs CAP_SYS_ADMIN and CAP_NET_ADMIN): {probe.stderr.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    reason = why_no_netns()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("multihost")
+    e = env(HVD_TESTBED_PREFIX=PREFIX, HVD_TESTBED_DIR=str(tmp / "state"))
+    (tmp / "probe.py").write_text(PROBE)
+    try:
+        # First use on a fresh machine installs openssh-server/iperf3 through apt: allow for it.
+        run([TESTBED, "up", str(len(HOSTS)), RATE], timeout=300, env=e)
+        yield {"env": e, "tmp": tmp, "probe": str(tmp / "probe.py")}
+    finally:
+        run([TESTBED, "down"], timeout=60, env=e, check=False)  # also reaps ranks a failed job left behind
+        assert not [n for n in HOSTS if Path(f"/run/netns/{n}").exists()], "testbed namespaces left behind"
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The reference: one process, no launcher, global batch 3 x 16 = 48."""
+    out = tmp_path_factory.mktemp("one-host")
+    text = run([str(BIN / "hvdtrain"), *TRAIN, "--set", f"train.batch_size={3 * PER_RANK}", "--out", str(out)],
+               timeout=180).stdout
+    return {"done": done_line(text), "model": final_model(out)}
+
+
+def done_line(text: str) -> str:
+    m = re.search(r"done: step (\d+), eval loss [\d.]+ accuracy [\d.]+", text)
+    assert m and int(m.group(1)) == STEPS, text[-3000:]
+    return m.group(0)
+
+
+def final_model(out: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out / "checkpoints" / f"step_{STEPS:08d}")["model"]
+
+
+def netns_inode(host: str) -> int:
+    return os.stat(f"/run/netns/{host}").st_ino
+
+
+def placements(text: str) -> dict[int, tuple[str, int]]:
+    """rank -> (hostname, netns inode) from the probe lines."""
+    found = re.findall(r"whoami rank=(\d+) host=(\S+) netns=(\d+)", text)
+    return {int(r): (h, int(n)) for r, h, n in found}
+
+
+def assert_same_training(text: str, out: Path, one_host: dict) -> None:
+    assert done_line(text) == one_host["done"]
+    model = final_model(out)
+    assert model.keys() == one_host["model"].keys()
+    for name, ref in one_host["model"].items():
+        # Same samples and mean gradient; only the summation order differs (ring vs one batch).
+        torch.testing.assert_close(model[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def in_testbed(bed: dict, cmd: list[str], timeout: float = 150) -> str:
+    return run([TESTBED, "run", *cmd], timeout=timeout, env=bed["env"]).stdout
+
+
+def test_hosts_have_own_names_addresses_and_no_way_out(bed):
+    status = run([TESTBED, "status"], env=bed["env"]).stdout
+    assert all(h in status for h in HOSTS) and f"link {RATE}" in status
+    inodes = {netns_inode(h) for h in HOSTS}
+    assert len(inodes) == 3 and os.stat("/proc/self/ns/net").st_ino not in inodes
+    for i, host in enumerate(HOSTS):
+        out = run([TESTBED, "run", "-h", str(i), "sh", "-c", "hostname; getent hosts $(hostname); ip route"],
+                  env=bed["env"]).stdout.splitlines()
+        assert out[0] == host and out[1].split() == [f"10.213.7.{10 + i}", host]  # routable, not 127.0.1.1
+        assert not any(line.startswith("default") for line in out)
+    again = run([TESTBED, "up", "3", RATE], env=bed["env"], timeout=30).stdout
+    assert "(already)" in again  # idempotent: the same hosts, nothing restarted
+
+
+def test_goodput_is_one_json_line_near_the_link_rate(bed):
+    lines = run([TESTBED, "goodput", "0", "1", "2"], env=bed["env"], timeout=60).stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["from"] == HOSTS[0] and result["to"] == HOSTS[1] and result["link"] == RATE
+    assert 120 < result["goodput_mbit_s"] <= 205, result  # tbf at 200 Mbit/s; TCP/IP headers take ~5%
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_uneven_slots_across_hosts_equal_one_host_run(bed, one_host, controller):
+    out = bed["tmp"] / f"uneven-{controller}"
+    text = in_testbed(bed, [str(BIN / "horovodrun"), "--disable-cache", "-np", "3", "-H",
+                            f"{HOSTS[1]}:2,{HOSTS[2]}:1", f"--{controller}", str(BIN / "python"), bed["probe"],
+                            str(BIN / "hvdtrain"), *TRAIN, "--set", f"train.batch_size={PER_RANK}", "--out", str(out)])
+    # Launched from host 0, every rank went over ssh: two on host 1, one on host 2.
+    assert placements(text) == {0: (HOSTS[1], netns_inode(HOSTS[1])), 1: (HOSTS[1], netns_inode(HOSTS[1])),
+                                2: (HOSTS[2], netns_inode(HOSTS[2]))}, text[-3000:]
+    assert_same_training(text, out, one_host)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "hvdtrain-launch"])
+def test_hostfile_across_three_hosts_equal_one_host_run(bed, one_host, launcher):
+    hostfile = bed["tmp"] / "hostfile"
+    hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
+    out = bed["tmp"] / f"hostfile-{launcher}"
+    job = [str(BIN / "python"), bed["probe"], str(BIN / "hvdtrain"), *TRAIN, "--set", f"train.batch_size={PER_RANK}",
+           "--out", str(out)]
+    if launcher == "horovodrun":  # plain horovodrun --hostfile with Gloo
+        cmd = [str(BIN / "horovodrun"), "--disable-cache", "-np", "3", "--hostfile", str(hostfile), "--gloo", *job]
+    else:  # hvdtrain launch with MPI: preflight, then ring allreduce forced through --mpi-args
+        cmd = [str(BIN / "hvdtrain"), "launch", "--hostfile", str(hostfile), "--controller", "mpi",
+               "--network-interface", "eth0", "--", *job]
+    text = in_testbed(bed, cmd)
+    assert placements(text) == {i: (h, netns_inode(h)) for i, h in enumerate(HOSTS)}, text[-3000:]
+    if launcher != "horovodrun":
+        assert "hvdtrain: preflight ok: 3 host(s), 3 slot(s)" in text
+        assert "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4" in text
+    assert_same_training(text, out, one_host)
+
+
+def test_launch_preflight_names_each_bad_host_and_starts_nothing(bed):
+    ghost = f"{PREFIX}-ghost"  # not in the hosts files, and the namespaces have no DNS
+    result = run([TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--hosts", f"{HOSTS[1]}:1,{ghost}:1",
+                  "--network-interface", "ib9", "--", "false"], env=bed["env"], timeout=60, check=False)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 2, result.stdout
+    assert len(lines) == 3, result.stdout
+    assert lines[0] == f"hvdtrain: preflight: host {HOSTS[1]}: network interface ib9 not found (has: eth0, lo)"
+    assert lines[1].startswith(f"hvdtrain: preflight: host {ghost}: not reachable over ssh: ssh: Could not resolve")
+    assert lines[-1] == "hvdtrain: error: preflight failed: 2 problem(s) on 2 host(s); nothing was started"
