@@ -33,6 +33,7 @@ in_ns() { local ns=$1; shift; ip netns exec "$ns" "$@"; }
 # Root with CAP_NET_ADMIN/CAP_SYS_ADMIN is needed (netns, bind mounts, unshare); say so in one line.
 check_privileges() {
   [ "$(id -u)" = 0 ] || die "needs root (network namespaces, bind mounts, unshare)"
+  ensure_packages
   local probe="$PREFIX-probe$$"
   ip netns add "$probe" 2>/dev/null || die "cannot create network namespaces (needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
   ip netns del "$probe"
@@ -175,7 +176,6 @@ cmd_up() {
     return 0
   fi
   cmd_down >/dev/null 2>&1 || true
-  ensure_packages
   trap 'say "up failed; cleaning up"; cmd_down >/dev/null 2>&1 || true' ERR EXIT
   write_keys_and_configs
   mkdir -p /run/sshd   # sshd's privilege-separation directory

@@ -25,6 +25,7 @@ TESTBED = str(ROOT / "scripts" / "testbed.sh")
 PREFIX = f"hvdt{os.getpid() % 100000}"  # unique per session: a concurrent copy cannot clash
 HOSTS = [f"{PREFIX}-n{i}" for i in range(3)]
 RATE = "200mbit"
+NET = "10.213.7"
 STEPS, PER_RANK = 12, 16
 TRAIN = ["train", "--config", "configs/digits.yaml", "--set", f"train.max_steps={STEPS}", "--set",
          "log.progress=false", "--set", "optim.lr_scaling=none"]  # same lr for 3x16 and 1x48
@@ -37,7 +38,7 @@ os.execvp(sys.argv[1], sys.argv[1:])
 
 def why_no_netns() -> str | None:
     if os.geteuid() != 0:
-        return "multi-host tests need root: network namespaces, bind mounts and unshare (testbed.md trap 9)"
+        return "multi-host tests need root: network namespaces, bind mounts and unshare (see docs/multihost.md)"
     probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot create namespaces here (needs CAP_SYS_ADMIN and CAP_NET_ADMIN): {probe.stderr.strip()}"
@@ -50,7 +51,7 @@ def bed(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("multihost")
-    e = env(HVD_TESTBED_PREFIX=PREFIX, HVD_TESTBED_DIR=str(tmp / "state"))
+    e = env(HVD_TESTBED_PREFIX=PREFIX, HVD_TESTBED_DIR=str(tmp / "state"), HVD_TESTBED_NET=NET)
     (tmp / "probe.py").write_text(PROBE)
     try:
         # First use on a fresh machine installs openssh-server/iperf3 through apt: allow for it.
@@ -109,10 +110,12 @@ def test_hosts_have_own_names_addresses_and_no_way_out(bed):
     inodes = {netns_inode(h) for h in HOSTS}
     assert len(inodes) == 3 and os.stat("/proc/self/ns/net").st_ino not in inodes
     for i, host in enumerate(HOSTS):
-        out = run([TESTBED, "run", "-h", str(i), "sh", "-c", "hostname; getent hosts $(hostname); ip route"],
+        # `ip route get` only looks the route up: nothing is sent.
+        out = run([TESTBED, "run", "-h", str(i), "sh", "-c",
+                   "hostname; getent hosts $(hostname); ip route; ip route get 203.0.113.1 2>&1 || true"],
                   env=bed["env"]).stdout.splitlines()
-        assert out[0] == host and out[1].split() == [f"10.213.7.{10 + i}", host]  # routable, not 127.0.1.1
-        assert not any(line.startswith("default") for line in out)
+        assert out[0] == host and out[1].split() == [f"{NET}.{10 + i}", host]  # routable, not 127.0.1.1
+        assert not any(line.startswith("default") for line in out) and "Network is unreachable" in out[-1]
     again = run([TESTBED, "up", "3", RATE], env=bed["env"], timeout=30).stdout
     assert "(already)" in again  # idempotent: the same hosts, nothing restarted
 
