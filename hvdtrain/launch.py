@@ -45,9 +45,6 @@ class Host:
     slots: int
 
 
-# ---- host lists -------------------------------------------------------------------------------
-
-
 def _split_top(text: str) -> list[str]:
     """Split on commas outside brackets: `a[1-2],b` -> ['a[1-2]', 'b']."""
     parts, depth, cur = [], 0, ""
@@ -167,9 +164,6 @@ def resolve_hosts(args: argparse.Namespace, env: Mapping[str, str]) -> list[Host
     return hosts
 
 
-# ---- the horovodrun command -------------------------------------------------------------------
-
-
 def build_command(args: argparse.Namespace, hosts: list[Host]) -> list[str]:
     """horovodrun's argument list for these hosts and options."""
     total = sum(h.slots for h in hosts)
@@ -196,8 +190,6 @@ def build_command(args: argparse.Namespace, hosts: list[Host]) -> list[str]:
         raise LaunchError("no command to launch: hvdtrain launch [options] -- COMMAND ...")
     return cmd + command
 
-
-# ---- preflight --------------------------------------------------------------------------------
 
 # Runs on every host with the launcher's interpreter path; prints one JSON object. Versions come
 # from package metadata so nothing heavy (torch, the Horovod extension) is imported.
@@ -293,9 +285,6 @@ def preflight(hosts: list[Host], nic: str, controller: str, ssh_port: int | None
         jobs = [pool.submit(probe, h.name, f, nic, ssh_port) for h, f in zip(hosts, flags)]
         ref = ref_job.result()
         return [line for h, j in zip(hosts, jobs) for line in host_problems(h.name, j.result(), ref, nic, controller)]
-
-
-# ---- CLI --------------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
