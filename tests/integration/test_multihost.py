@@ -169,3 +169,12 @@ def test_launch_preflight_names_each_bad_host_and_starts_nothing(bed):
     assert lines[0] == f"hvdtrain: preflight: host {HOSTS[1]}: network interface ib9 not found (has: eth0, lo)"
     assert lines[1].startswith(f"hvdtrain: preflight: host {ghost}: not reachable over ssh: ssh: Could not resolve")
     assert lines[-1] == "hvdtrain: error: preflight failed: 2 problem(s) on 2 host(s); nothing was started"
+
+
+def test_launch_preflight_catches_a_hostname_that_resolves_to_loopback(bed):
+    # Gloo trap 1, for real: `run` gives the command its own UTS namespace, so renaming it is local.
+    result = run([TESTBED, "run", "sh", "-c", f"hostname localhost && exec {BIN / 'hvdtrain'} launch "
+                  "--hosts localhost:1 --controller gloo -- true"], env=bed["env"], timeout=60, check=False)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.startswith("hvdtrain: preflight: host localhost: hostname localhost resolves to loopback "
+                                    "127.0.0.1; Gloo needs it to resolve to the host's routable address"), result.stdout
