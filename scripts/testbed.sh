@@ -252,23 +252,24 @@ cmd_status() {
 }
 
 cmd_goodput() {
-  local a=${1:-} b=${2:-} secs=${3:-3} n out port=5201
+  local a=${1:-} b=${2:-} secs=${3:-3} n out port
   n=$(count)
   [[ "$a" =~ ^[0-9]+$ && "$b" =~ ^[0-9]+$ && "$a" != "$b" ]] || die "usage: testbed.sh goodput A B [seconds]  (host numbers)"
   is_up || die "testbed $PREFIX is not up (testbed.sh up N)"
   [ "$a" -lt "$n" ] && [ "$b" -lt "$n" ] || die "hosts are 0..$((n - 1))"
-  # One-off server on B's address; its PID is recorded and it exits after one test.
+  port=$((5201 + a))   # one port per sender: A->B and C->B can be measured at the same time
   # A one-off server on B's address, our own child (waited for, so no zombie is left: trap 7).
-  in_ns "$(host "$b")" iperf3 -s -1 -B "$(addr "$b")" -p "$port" --logfile "$DIR/iperf3.log" &
+  in_ns "$(host "$b")" iperf3 -s -1 -B "$(addr "$b")" -p "$port" --logfile "$DIR/iperf3-$a-$b.log" &
   local pid=$! t
-  out=""
   for ((t = 0; t < 50; t++)); do
-    out=$(in_ns "$(host "$a")" iperf3 -c "$(addr "$b")" -p "$port" -t "$secs" -J 2>/dev/null) && break
-    out=""; sleep 0.1
+    in_ns "$(host "$b")" ss -Hltn "sport = :$port" | grep -q . && break
+    sleep 0.1
   done
-  alive "$pid" && kill "$pid" 2>/dev/null
+  # iperf3 3.12 exits 0 even when it cannot connect: the JSON's "error" field is checked below.
+  out=$(in_ns "$(host "$a")" iperf3 -c "$(addr "$b")" -p "$port" -t "$secs" -J 2>/dev/null || true)
+  if alive "$pid"; then kill "$pid" 2>/dev/null || true; fi
   wait "$pid" 2>/dev/null || true
-  [ -n "$out" ] || die "iperf3 from $(host "$a") to $(host "$b") failed (log: $DIR/iperf3.log)"
+  [ -n "$out" ] || die "iperf3 from $(host "$a") to $(host "$b") failed (log: $DIR/iperf3-$a-$b.log)"
   HOST_A=$(host "$a") HOST_B=$(host "$b") RATE=$(cat "$DIR/rate") python3 -c '
 import json, os, sys
 r = json.load(sys.stdin)
