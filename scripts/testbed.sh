@@ -175,8 +175,8 @@ cmd_up() {
     say "up: $n hosts${rate:+ at $rate} (already)"
     return 0
   fi
-  cmd_down >/dev/null 2>&1 || true
-  trap 'say "up failed; cleaning up"; cmd_down >/dev/null 2>&1 || true' ERR EXIT
+  cmd_down keep >/dev/null 2>&1 || true
+  trap 'say "up failed; cleaning up"; cmd_down keep >/dev/null 2>&1 || true' ERR EXIT
   write_keys_and_configs
   mkdir -p /run/sshd   # sshd's privilege-separation directory
   ip netns add "$SW"
@@ -217,6 +217,12 @@ cmd_down() {
     rm -rf "/etc/netns/$ns"
   done
   rm -f "$DIR"/sshd-*.pid "$DIR/hosts" "$DIR/rate" "$DIR/known_hosts"
+  # A failed `up` keeps keys and logs for its error message; `down` removes only files it made.
+  if [ "${1:-}" != keep ]; then
+    rm -f "$DIR"/{id_ed25519,id_ed25519.pub,host_ed25519,host_ed25519.pub,authorized_keys,ssh_config} \
+      "$DIR"/sshd-*.conf "$DIR"/sshd-*.log "$DIR"/iperf3-*.log "$DIR/bin/ssh"
+    rmdir "$DIR/bin" "$DIR" 2>/dev/null || true
+  fi
   say "down: $PREFIX"
 }
 
