@@ -6,6 +6,7 @@
 
 from hvdtrain.config import (
     CheckpointConfig,
+    CommConfig,
     Config,
     DataConfig,
     LogConfig,
@@ -19,6 +20,6 @@ from hvdtrain.world import World
 
 __version__ = "0.1.0"
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "ModelConfig",
+    "CheckpointConfig", "CommConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "ModelConfig",
     "OptimConfig", "TrainConfig", "World", "evaluate", "fit",
 ]

@@ -105,14 +105,17 @@ class Checkpointer:
             return False
         return last or (step % self.cfg.every == 0 if self.cfg.every else end_of_epoch)
 
-    def save(self, step: int, state: dict[str, Any], config: dict[str, Any]) -> Path:
-        """Write `state` (rank 0's) plus every rank's RNG state as folder step_<step>. All ranks call."""
+    def save(self, step: int, state: dict[str, Any], config: dict[str, Any],
+             rank_state: dict[str, Any] | None = None) -> Path:
+        """Write `state` (rank 0's, replicated) plus every rank's RNG and `rank_state` as folder
+        step_<step>. All ranks call."""
         assert self.dir is not None
-        rngs = self.world.allgather_object(rng_state(), name="hvdtrain.ckpt.rng")
+        mine = {"rng": rng_state(), **(rank_state or {})}
+        ranks = self.world.allgather_object(mine, name="hvdtrain.ckpt.ranks")
         final, error = self.dir / f"step_{step:08d}", ""
         if self.world.is_root:
             try:
-                self._write(final, {**state, "format": FORMAT, "rng": rngs, "config": config})
+                self._write(final, {**state, "format": FORMAT, "ranks": ranks, "config": config})
             except OSError as exc:
                 error = f"could not write checkpoint {final}: {exc}"
         # Agreed so a full disk on rank 0 stops all ranks together rather than leaving them waiting.
@@ -162,9 +165,13 @@ class Checkpointer:
         if status == "error":
             raise CheckpointError(payload)
         if payload is not None:
-            rngs = payload.pop("rng")
-            if self.world.rank < len(rngs):
-                set_rng_state(rngs[self.world.rank])
+            # Per-rank state only carries over to the same rank of a same-size world; otherwise
+            # each rank keeps its fresh seed-derived RNG and empty per-rank state.
+            ranks = payload.pop("ranks")
+            same = len(ranks) == self.world.size
+            payload["rank"] = ranks[self.world.rank] if same else {}
+            if same:
+                set_rng_state(payload["rank"]["rng"])
         return payload
 
     def _load_on_root(self, config: dict[str, Any]) -> tuple[str, Any]:

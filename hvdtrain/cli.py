@@ -14,7 +14,7 @@ from pathlib import Path
 from hvdtrain import config as config_mod
 from hvdtrain import launch
 from hvdtrain.config import TASKS, Config
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import ConfigError, HvdtrainError
 
 EXIT_USAGE = 2
 
@@ -32,7 +32,46 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="continue from the latest checkpoint (or from PATH); 'auto' resumes only if one exists")
     launch.add_arguments(sub.add_parser("launch", help="run horovodrun across hosts (Slurm, hostfile) after preflight"))
+    _bench_parser(sub)
     return p
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks (run under horovodrun); one JSON line per result")
+    kinds = b.add_subparsers(dest="bench", required=True)
+    a = kinds.add_parser("allreduce", help="allreduce time, algbw and busbw per size and mode")
+    a.add_argument("--sizes", default="", help="comma-separated sizes of fp32 data, e.g. 1K,64M (default 1K..256M)")
+    a.add_argument("--modes", default="fp32,fp16,bf16,hvd-fp16", help="fp32, fp16 (safe), bf16, hvd-fp16 (Horovod's)")
+    a.add_argument("--iters", type=int, default=0, help="timed repeats per size (default: by size, 3..50)")
+    c = kinds.add_parser("compression", help="training step time per gradient codec, same weights and data")
+    c.add_argument("--task", default="synthetic", help=f"built-in task: {', '.join(TASKS)}")
+    c.add_argument("--config", help="YAML or TOML config file")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--steps", type=int, default=20, help="timed steps per mode (after 3 warm-up steps)")
+    c.add_argument("--modes", default="none,fp16,bf16", help="codecs to compare")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from hvdtrain import bench as bench_mod
+    from hvdtrain.bench import MODES, parse_size
+    from hvdtrain.compression import CODECS
+    from hvdtrain.world import World
+
+    modes = [m for m in args.modes.split(",") if m]
+    allowed = MODES if args.bench == "allreduce" else CODECS
+    bad = [m for m in modes if m not in allowed]
+    if bad:
+        raise ConfigError(f"--modes {bad[0]!r} is not allowed; choose from {', '.join(allowed)}")
+    if args.bench == "allreduce":
+        try:
+            sizes = [parse_size(s) for s in args.sizes.split(",") if s] or bench_mod.default_sizes()
+        except ValueError:
+            raise ConfigError(f"--sizes {args.sizes!r}: use sizes like 1K,64M,256M") from None
+        bench_mod.allreduce(World.init(), sizes, modes, iters=args.iters)
+        return 0
+    cfg = config_mod.build(args.config, list(args.overrides), task=args.task)
+    bench_mod.compression(World.init(), cfg, args.steps, modes)
+    return 0
 
 
 def resolve(args: argparse.Namespace) -> Config:
@@ -67,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return launch.main(args)
+        if args.command == "bench":
+            return bench(args)
         cfg = resolve(args)
         if args.command == "print-config":
             import yaml

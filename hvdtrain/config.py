@@ -22,6 +22,7 @@ TASKS = ("digits", "pylm", "synthetic")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
+COMPRESSION = ("none", "fp16", "bf16", "auto")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
 
@@ -125,6 +126,22 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """Gradient communication. `auto` times the first steps with none and fp16 and keeps the faster."""
+
+    compression: str = "none"  # none | fp16 (overflow-safe) | bf16 (fp32 accumulation) | auto
+    error_feedback: bool = False  # carry each rank's compression error into its next gradient
+    bucket_mb: float = 25.0  # gradient bucket size; a bucket's collective starts when it is complete
+    auto_steps: int = 6  # steps timed per candidate when compression=auto (after 2 warm-up steps)
+
+    def __post_init__(self) -> None:
+        _choice("comm", "compression", self.compression, COMPRESSION)
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"comm.bucket_mb={self.bucket_mb!r} must be > 0")
+        _at_least("comm", "auto_steps", self.auto_steps, 1)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints: one folder per step under `dir`, written atomically, the last `keep` kept."""
 
@@ -165,6 +182,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 

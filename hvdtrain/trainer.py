@@ -1,7 +1,7 @@
 """The training loop: plain code, top to bottom.
 
-Collective order per optimizer step, identical on every rank: the gradient allreduces Horovod's
-hooks start during backward (after the k-th micro-batch), then, on logging steps only, one metrics
+Collective order per optimizer step, identical on every rank: the gradient buckets the reducer
+launches during the k-th micro-batch's backward, then, on logging steps only, one metrics
 allreduce; at evaluation and checkpoint steps, their named collectives. Which steps those are
 depends only on the step counter and config, never on rank-local state, so ranks cannot diverge.
 """
@@ -9,6 +9,7 @@ depends only on the step counter and config, never on rank-local state, so ranks
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +20,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hvdtrain.checkpoint import Checkpointer
+from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
+from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
-from hvdtrain.world import World, _import_horovod
+from hvdtrain.world import World
 
 
 @dataclass
@@ -34,6 +37,7 @@ class FitResult:
     eval: dict[str, float] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
+    skipped: int = 0  # optimizer steps skipped because the averaged gradient was not finite
 
 
 def seed_everything(seed: int) -> None:
@@ -83,27 +87,28 @@ def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, 
     return sums.reduce(world, "hvdtrain.eval", keys)
 
 
-def train_step(model: nn.Module, optimizer: Any, micro_batches: list[Any], loss_fn: LossFn,
-               sums: MetricSums, clip: float, device: torch.device) -> None:
-    """One optimizer step over k micro-batches; Horovod averages gradients after the k-th backward."""
-    for batch in micro_batches:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, micro_batches: list[Any],
+               loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device) -> bool:
+    """One optimizer step over k micro-batches; the reducer averages gradients as the k-th backward
+    produces them. Returns False (and leaves the weights alone) if the averaged gradient is not finite."""
+    for j, batch in enumerate(micro_batches):
+        reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
         batch = _to_device(batch, device)
         loss, batch_sums = loss_fn(model, batch)
         (loss / len(micro_batches)).backward()
         sums.add(loss, batch_sums, _batch_len(batch))
-    if clip > 0:
-        # Clip the averaged gradient: wait for the allreduces, clip, then step without a second sync.
-        optimizer.synchronize()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        with optimizer.skip_synchronize():
-            optimizer.step()
-    else:
+    finite = reducer.synchronize()
+    if finite:
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # on the averaged gradient
         optimizer.step()
     optimizer.zero_grad()
+    return finite
 
 
-def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, sampler: ShardedBatchSampler,
-                          ckpt: Checkpointer, config: dict[str, Any]) -> tuple[int, str | None]:
+def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: GradReducer,
+                          sampler: ShardedBatchSampler, ckpt: Checkpointer,
+                          config: dict[str, Any]) -> tuple[int, str | None]:
     state = ckpt.restore(config)
     if state is None:
         # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
@@ -114,7 +119,24 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, sample
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
+    if "reducer" in state["rank"]:
+        reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
+
+
+def _choose_codec(world: World, reducer: GradReducer, auto: AutoSelect | None, log: TrainLog, step: int,
+                  seconds: float | None) -> None:
+    """compression=auto: set the codec for the next step; after the trial, log which won and why."""
+    if auto is None or auto.codec_for_next_step() is None:
+        return
+    if seconds is not None and auto.record(seconds):
+        choice = auto.decide(world)
+        reducer.set_codec(choice)
+        why = ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in auto.medians.items())
+        log.event(step, "compression", choice=choice, median_step_ms={c: t * 1e3 for c, t in auto.medians.items()})
+        log.bar.write(f"hvdtrain: compression=auto chose {choice} (median step: {why})")
+        return
+    reducer.set_codec(auto.codec_for_next_step())
 
 
 def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
@@ -126,31 +148,39 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     `cfg.optim.lr_scaling`. `loss_fn(model, batch)` returns (mean loss, {metric: batch sum}).
     """
     cfg = cfg or Config()
-    hvd, tc = _import_horovod(), cfg.train
+    tc = cfg.train
     model.to(world.device)
     seed_everything(cfg.seed + world.rank)
     sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle)
     total = sampler.steps_per_epoch * tc.epochs
     total = min(total, tc.max_steps) if tc.max_steps else total
-    optimizer = hvd.DistributedOptimizer(
-        optimizer or build_optimizer(model, cfg.optim), named_parameters=model.named_parameters(),
-        backward_passes_per_step=tc.accumulation, op=hvd.Average)
+    optimizer = optimizer or build_optimizer(model, cfg.optim)
+    auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
+    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
+                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
-    step, resumed = _restore_or_broadcast(world, model, optimizer, sampler, ckpt, cfg.to_dict())
+    step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict())
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
               lr_factor=schedule.factor, resumed_from=resumed)
     log.bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
                   f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" * bool(resumed)))
     result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)
+    step_seconds = None
     for epoch in range(sampler.epoch, tc.epochs):
         if step >= total:
             break
         sampler.set_epoch(epoch)
         for micro_batches in _groups(train_loader(train_set, sampler), tc.accumulation):
             lr = schedule.apply(step)
-            train_step(model, optimizer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm, world.device)
+            _choose_codec(world, reducer, auto, log, step, step_seconds)
+            started = time.perf_counter()
+            if not train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums,
+                              cfg.optim.clip_grad_norm, world.device):
+                result.skipped += 1
+                log.event(step + 1, "skip", reason="non-finite averaged gradient", skipped=result.skipped)
+            step_seconds = time.perf_counter() - started
             step += 1
             sampler.advance(sampler.global_batch)
             done, end_of_epoch = step >= total, sampler.epoch_done
@@ -163,10 +193,11 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
             if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "sampler": sampler.state_dict()}
-                result.checkpoint = str(ckpt.save(step, state, cfg.to_dict()))
+                result.checkpoint = str(ckpt.save(step, state, cfg.to_dict(), {"reducer": reducer.state_dict()}))
             if done:
                 break
-    log.event(step, "end", checkpoint=result.checkpoint)
+    log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped)
     log.close()
+    reducer.remove()
     result.step, result.epoch = step, sampler.epoch
     return result

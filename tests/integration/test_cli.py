@@ -105,7 +105,7 @@ def test_bad_input_one_line_nonzero_nothing_written(case, tmp_path):
         _checkpoint_folder(tmp_path, {"format": 1, "payload": NotAllowed()})
     elif case == "incompatible checkpoint":
         from hvdtrain.config import Config
-        _checkpoint_folder(tmp_path, {"format": 1, "step": 5, "config": Config().to_dict(), "rng": []})
+        _checkpoint_folder(tmp_path, {"format": 1, "step": 5, "config": Config().to_dict(), "ranks": []})
     elif case == "horovod without torch":
         extra_env["PYTHONPATH"] = _fake_horovod_without_torch(tmp_path / "fake")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

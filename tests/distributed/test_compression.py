@@ -1,0 +1,116 @@
+"""Gradient codecs under horovodrun at any world size (and plainly, as size 1)."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import blobs, flat_params, mlp, small_config
+
+import hvdtrain
+from hvdtrain.compression import BF16, FP16, Codec
+from hvdtrain.config import CommConfig, build
+from hvdtrain.reducer import GradReducer
+from hvdtrain.tasks import build_task, classification_loss
+
+
+def reduce_with(codec, t, name):
+    pending = codec.launch(t.clone(), name)
+    codec.advance(pending)
+    return codec.finish(pending)
+
+
+def test_plain_horovod_fp16_overflows_where_safe_fp16_does_not(world):
+    import horovod.torch as hvd
+
+    if world.size < 2:
+        pytest.skip("the fp16 sum overflows only when at least two ranks add 4e4")
+    grad = torch.full((1000,), 4e4)
+    # Horovod's Compression.fp16: cast, then Average, which sums in fp16 before dividing.
+    compressed, ctx = hvd.Compression.fp16.compress(grad)
+    plain = hvd.Compression.fp16.decompress(hvd.allreduce(compressed, op=hvd.Average, name="t.plain"), ctx)
+    assert torch.isinf(plain).all()
+    safe = reduce_with(FP16(world.size), grad, "t.safe")
+    assert torch.equal(safe, grad)
+
+
+def test_bf16_reduce_equals_fp32_reduce_to_bf16_precision(world):
+    g = torch.Generator().manual_seed(world.rank)
+    t = torch.randn(10_001, generator=g) * (1 + world.rank)  # odd length: exercises the padding
+    exact = reduce_with(Codec(world.size), t, "t.fp32")
+    approx = reduce_with(BF16(world.size), t, "t.bf16")
+    # Each input is rounded to bf16 (unit roundoff 2^-8), summed in fp32, and the mean rounded again.
+    every = torch.stack(world.allgather_object(t, name="t.inputs"))
+    bound = 2**-8 * (every.abs().mean(0) + exact.abs()) + 1e-30
+    assert ((approx - exact).abs() <= bound * 1.01).all()
+    assert not torch.equal(approx, exact)  # it really went through bf16
+
+
+def test_error_feedback_carries_the_residual(world):
+    # 1e-8 / n underflows fp16 (smallest subnormal ~6e-8): without feedback it never arrives.
+    steps, g = 100, 1e-8
+
+    def run(feedback):
+        p = torch.nn.Parameter(torch.zeros(4))
+        reducer = GradReducer(world, [("p", p)], "fp16", error_feedback=feedback)
+        total = torch.zeros(4)
+        for _ in range(steps):
+            p.grad = torch.full((4,), g)
+            assert reducer.synchronize()
+            total += p.grad
+        reducer.remove()
+        return total, reducer
+
+    without, _ = run(False)
+    with_ef, reducer = run(True)
+    assert torch.equal(without, torch.zeros(4))
+    quantum = 2**-24 * world.size  # one fp16 subnormal step, undone by the pre-division
+    assert ((with_ef - steps * g).abs() <= quantum).all()
+    assert set(reducer.state_dict()["residuals"]) == {"0"}
+
+
+def test_inf_on_one_rank_skips_the_same_step_everywhere(world):
+    bad_step = 3
+
+    def loss_fn(model, batch):
+        loss, sums = classification_loss(model, batch)
+        loss_fn.calls += 1
+        if world.rank == world.size - 1 and loss_fn.calls == bad_step:
+            loss = loss * float("inf")  # only this rank's gradient becomes inf/nan
+        return loss, sums
+
+    loss_fn.calls = 0
+    cfg = small_config(epochs=1, accumulation=1)
+    cfg = dataclasses.replace(cfg, comm=CommConfig(compression="fp16"))
+    model = mlp(seed=3)
+    result = hvdtrain.fit(world, model, None, blobs(), cfg, loss_fn=loss_fn)
+    skipped = world.allgather_object(result.skipped, name="t.skipped")
+    assert skipped == [1] * world.size
+    events = [r for r in result.history if r["kind"] == "event" and r["event"] == "skip"]
+    assert [e["step"] for e in events] == [bad_step]
+    final = world.allgather_object(flat_params(model), name="t.params")
+    assert all(torch.equal(final[0], f) for f in final) and torch.isfinite(final[0]).all()
+
+
+def train_digits(world, compression):
+    # 15 epochs with a cosine decay converge (~99%), and a 30% hold-out (539 images) makes one
+    # image 0.19 points, so the 0.5-point criterion measures the codec rather than one sample.
+    cfg = build("configs/digits.yaml", ["train.epochs=15", "data.val_fraction=0.3", "log.progress=false",
+                                        "log.tensorboard=false", f"comm.compression={compression}",
+                                        "comm.auto_steps=2"])
+    task = build_task(cfg)
+    return hvdtrain.fit(world, task.model, None, task.train_set, cfg, task.eval_set, task.loss_fn)
+
+
+@pytest.fixture(scope="module")
+def digits_baseline(world):
+    return train_digits(world, "none").eval["accuracy"]
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "auto"])
+def test_digits_accuracy_within_half_a_point_of_no_compression(world, digits_baseline, mode):
+    result = train_digits(world, mode)
+    assert result.eval["accuracy"] >= digits_baseline - 0.005, (mode, result.eval["accuracy"], digits_baseline)
+    if mode == "auto":
+        chosen = [r for r in result.history if r.get("event") == "compression"]
+        assert len(chosen) == 1 and chosen[0]["choice"] in ("none", "fp16")
+        assert set(chosen[0]["median_step_ms"]) == {"none", "fp16"}

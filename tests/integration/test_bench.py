@@ -1,0 +1,49 @@
+"""`hvdtrain bench` under horovodrun: one well-formed JSON line per result, printed by rank 0 only."""
+
+import json
+import re
+
+from launch import BIN, horovodrun, run
+
+CLI = str(BIN / "hvdtrain")
+
+
+def records(output: str) -> list[dict]:
+    out = []
+    for line in output.splitlines():
+        m = re.match(r"^(?:\[[\d,]+\]<stdout>:)?(\{.*\})\s*$", line)
+        if m:
+            out.append(json.loads(m.group(1)))
+    return out
+
+
+def test_bench_allreduce_reports_each_size_and_mode():
+    res = horovodrun([CLI, "bench", "allreduce", "--sizes", "4K,256K", "--iters", "3"], controller="gloo")
+    recs = records(res.stdout)
+    assert [(r["bytes"], r["mode"]) for r in recs] == [
+        (b, m) for b in (4096, 262144) for m in ("fp32", "fp16", "bf16", "hvd-fp16")]
+    for r in recs:
+        assert r["np"] == 2 and r["repeats"] == 3 and r["time_min_s"] <= r["time_s"] <= r["time_max_s"]
+        assert r["wire_bytes"] == r["bytes"] // (1 if r["mode"] == "fp32" else 2)
+        # nccl-tests' definition: busbw = algbw * 2(n-1)/n, which is algbw itself at n = 2.
+        assert abs(r["busbw_gbit_s"] - r["algbw_gbit_s"]) < 1e-12
+        assert abs(r["algbw_gbit_s"] - r["wire_bytes"] * 8 / r["time_s"] / 1e9) < 1e-9
+    assert all(r["speedup_vs_fp32"] == 1.0 for r in recs if r["mode"] == "fp32")
+
+
+def test_bench_compression_compares_codecs_on_the_same_steps():
+    res = horovodrun([CLI, "bench", "compression", "--task", "digits", "--steps", "3"], controller="mpi")
+    recs = records(res.stdout)
+    steps = [r for r in recs if r["bench"] == "compression"]
+    assert [r["mode"] for r in steps] == ["compute-only", "none", "fp16", "bf16"]
+    assert all(r["params"] == steps[0]["params"] > 0 and r["repeats"] == 3 for r in steps)
+    bound = [r for r in recs if r["bench"] == "compression-bound"]
+    assert len(bound) == 1 and bound[0]["bound_speedup"] > 0
+    assert abs(bound[0]["measured_speedup"] - steps[1]["step_s"] / steps[2]["step_s"]) < 1e-9
+
+
+def test_bench_rejects_unknown_mode():
+    res = run([CLI, "bench", "allreduce", "--modes", "fp8"], check=False)
+    assert res.returncode == 2
+    assert res.stdout.strip().splitlines()[-1] == (
+        "hvdtrain: error: --modes 'fp8' is not allowed; choose from fp32, fp16, bf16, hvd-fp16")
