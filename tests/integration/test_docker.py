@@ -106,3 +106,4 @@ def test_cpu_image_builds_with_podman_and_trains_digits_on_two_ranks(tmp_path):
     assert float(m.group(2)) >= 0.95
     assert (ckpt / "digits" / "metrics.jsonl").is_file()
     assert (ckpt / "digits" / "checkpoints" / f"step_{int(m.group(1)):08d}" / "state.pt").is_file()
+    podman("image", "prune", "-f", check=False)  # layers of earlier builds; the tagged image stays cached
