@@ -126,8 +126,10 @@ class Checkpointer:
 
     def _write(self, final: Path, payload: dict[str, Any]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Only rank 0 of one job writes here, so any temp folder is a leftover of a killed writer.
+        for stale in self.dir.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write_file(tmp / STATE_FILE, lambda f: torch.save(payload, f))
         text = json.dumps(payload["config"], indent=2, sort_keys=True).encode()

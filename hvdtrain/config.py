@@ -116,9 +116,13 @@ class TrainConfig:
     accumulation: int = 1  # micro-batches per optimizer step (Horovod backward_passes_per_step)
     eval_every: int = 0  # evaluate every N steps; 0 = at the end of each epoch
     shuffle: bool = True
+    stop_after_skips: int = 0  # stop after this many consecutive non-finite steps; 0 = keep skipping
+    stall_timeout: float = 1800.0  # seconds without progress before a rank stops the job; 0 = off
 
     def __post_init__(self) -> None:
         _at_least("train", "epochs", self.epochs, 1)
+        _at_least("train", "stop_after_skips", self.stop_after_skips, 0)
+        _at_least("train", "stall_timeout", self.stall_timeout, 0)
         _at_least("train", "max_steps", self.max_steps, 0)
         _at_least("train", "batch_size", self.batch_size, 1)
         _at_least("train", "accumulation", self.accumulation, 1)

@@ -19,3 +19,7 @@ class DataError(HvdtrainError):
 
 class EnvironmentProblem(HvdtrainError):
     """Horovod missing or built without what we need."""
+
+
+class TrainingStopped(HvdtrainError):
+    """Training stopped on purpose (e.g. too many non-finite steps in a row), on every rank together."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +23,12 @@ from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
+from hvdtrain.errors import TrainingStopped
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
 from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
+from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
 
 
@@ -88,15 +90,18 @@ def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, 
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, micro_batches: list[Any],
-               loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device) -> bool:
+               loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device,
+               beat: Callable[[str, bool], None] = lambda phase, collective: None) -> bool:
     """One optimizer step over k micro-batches; the reducer averages gradients as the k-th backward
     produces them. Returns False (and leaves the weights alone) if the averaged gradient is not finite."""
     for j, batch in enumerate(micro_batches):
+        beat(f"forward/backward of micro-batch {j} (loss_fn)", False)
         reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
         batch = _to_device(batch, device)
         loss, batch_sums = loss_fn(model, batch)
         (loss / len(micro_batches)).backward()
         sums.add(loss, batch_sums, _batch_len(batch))
+    beat("gradient allreduce (hvdtrain.grad.*)", True)
     finite = reducer.synchronize()
     if finite:
         if clip > 0:
@@ -124,6 +129,14 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     return state["step"], state["path"]
 
 
+def _check_skips(in_a_row: int, limit: int, step: int) -> None:
+    # Every rank saw the same reduced gradient, so every rank raises at the same step.
+    if limit and in_a_row >= limit:
+        raise TrainingStopped(f"stopped at step {step}: {in_a_row} steps in a row had a non-finite averaged "
+                              f"gradient (train.stop_after_skips={limit}); lower the learning rate, clip "
+                              "gradients, or resume from an earlier checkpoint")
+
+
 def _choose_codec(world: World, reducer: GradReducer, auto: AutoSelect | None, log: TrainLog, step: int,
                   seconds: float | None) -> None:
     """compression=auto: set the codec for the next step; after the trial, log which won and why."""
@@ -149,6 +162,16 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """
     cfg = cfg or Config()
     tc = cfg.train
+    watchdog = Watchdog(world.rank, tc.stall_timeout)
+    try:
+        return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
+         cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, watchdog: Watchdog) -> FitResult:
+    tc = cfg.train
     model.to(world.device)
     seed_everything(cfg.seed + world.rank)
     sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle)
@@ -160,6 +183,7 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                           cfg.comm.bucket_mb, cfg.comm.error_feedback)
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
+    watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
     step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict())
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
@@ -167,7 +191,7 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     log.bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
                   f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" * bool(resumed)))
     result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)
-    step_seconds = None
+    step_seconds, skips_in_a_row = None, 0
     for epoch in range(sampler.epoch, tc.epochs):
         if step >= total:
             break
@@ -176,12 +200,16 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
             lr = schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
-            if not train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums,
-                              cfg.optim.clip_grad_norm, world.device):
-                result.skipped += 1
-                log.event(step + 1, "skip", reason="non-finite averaged gradient", skipped=result.skipped)
+            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
+                                world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c))
             step_seconds = time.perf_counter() - started
             step += 1
+            skips_in_a_row = 0 if finite else skips_in_a_row + 1
+            if not finite:
+                result.skipped += 1
+                log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped)
+                _check_skips(skips_in_a_row, tc.stop_after_skips, step)
+            watchdog.beat("metrics allreduce (hvdtrain.train), evaluation or checkpoint", step, collective=True)
             sampler.advance(sampler.global_batch)
             done, end_of_epoch = step >= total, sampler.epoch_done
             if end_of_epoch:
