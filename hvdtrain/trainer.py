@@ -161,26 +161,28 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     `cfg.optim.lr_scaling`. `loss_fn(model, batch)` returns (mean loss, {metric: batch sum}).
     """
     cfg = cfg or Config()
-    tc = cfg.train
-    watchdog = Watchdog(world.rank, tc.stall_timeout)
+    model.to(world.device)
+    auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
+    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
+                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
+    watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
     try:
-        return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, watchdog)
+        return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog)
     finally:
+        # Also on an exception: hooks left behind would launch collectives on the user's next backward.
         watchdog.stop()
+        reducer.remove()
 
 
 def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
-         cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, watchdog: Watchdog) -> FitResult:
+         cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, reducer: GradReducer, auto: AutoSelect | None,
+         watchdog: Watchdog) -> FitResult:
     tc = cfg.train
-    model.to(world.device)
     seed_everything(cfg.seed + world.rank)
     sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle)
     total = sampler.steps_per_epoch * tc.epochs
     total = min(total, tc.max_steps) if tc.max_steps else total
     optimizer = optimizer or build_optimizer(model, cfg.optim)
-    auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
-    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
-                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
@@ -226,6 +228,5 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                 break
     log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped)
     log.close()
-    reducer.remove()
     result.step, result.epoch = step, sampler.epoch
     return result
