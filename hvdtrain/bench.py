@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,16 +46,21 @@ def _slowest(world: World, times: list[float], name: str) -> tuple[float, float,
     return max(every)
 
 
-def _reduce_once(world: World, mode: str, x: torch.Tensor, name: str) -> None:
+def _reducer(world: World, mode: str) -> Callable[[torch.Tensor, str], None]:
+    """One reduction in `mode`; the codec is made once per mode, as the gradient reducer does."""
     hvd = _import_horovod()
     if mode == "hvd-fp16":  # Horovod's own Compression.fp16 with Average: the unsafe baseline
-        c, ctx = hvd.Compression.fp16.compress(x)
-        hvd.Compression.fp16.decompress(hvd.allreduce(c, op=hvd.Average, name=name), ctx)
-        return
+        def plain(x: torch.Tensor, name: str) -> None:
+            c, ctx = hvd.Compression.fp16.compress(x)
+            hvd.Compression.fp16.decompress(hvd.allreduce(c, op=hvd.Average, name=name), ctx)
+        return plain
     codec = make_codec({"fp32": "none"}.get(mode, mode), world.size)
-    pending = codec.launch(x.clone(), name)
-    codec.advance(pending)
-    codec.finish(pending)
+
+    def reduce(x: torch.Tensor, name: str) -> None:
+        pending = codec.launch(x, name)
+        codec.advance(pending)
+        codec.finish(pending)
+    return reduce
 
 
 def _iterations(nbytes: int, requested: int) -> int:
@@ -71,12 +77,16 @@ def allreduce(world: World, sizes: list[int], modes: list[str], iters: int = 0, 
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4), device=world.device)
         base = None
+        work = torch.empty_like(x)
         for mode in modes:
-            times = []
+            times, reduce = [], _reducer(world, mode)
             for i in range(warmup + _iterations(nbytes, iters)):
+                # Codecs overwrite their input: refill it before the clock starts. The reducer hands
+                # a codec a freshly concatenated bucket, so this copy is not part of a reduction.
+                work.copy_(x)
                 world.barrier()
                 start = time.perf_counter()
-                _reduce_once(world, mode, x, f"bench.{mode}.{nbytes}")
+                reduce(work, f"bench.{mode}.{nbytes}")
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
             med, lo, hi = _slowest(world, times, f"bench.times.{mode}.{nbytes}")

@@ -14,7 +14,7 @@ waits and returns the averaged fp32 bucket. All ranks must launch the same names
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class Pending:
     numel: int
     name: str
     stage: int = 0
+    out: torch.Tensor | None = None  # the fp32 bucket the result is written back into (FP16)
+    chunks: list = field(default_factory=list)  # FP16: (fp32 view, fp16 view, handle or None) per chunk
 
 
 class Codec:
@@ -57,21 +59,64 @@ class Codec:
 
 
 class FP16(Codec):
-    """Overflow-safe fp16: pre-divide in fp32, Sum in fp16, widen back."""
+    """Overflow-safe fp16: pre-divide in fp32, Sum in fp16, widen back into the bucket.
+
+    Speed on CPU (2 cores, 64 MiB at 200 Mbit/s) comes from three things, each measured:
+    - no fresh allocations: a fresh 64 MiB tensor costs ~150 ms of page faults, more than the casts;
+      the fp16 staging buffer is kept per bucket name and the result is widened into the bucket;
+    - `div_` in place then `copy_` into fp16 (vectorised, ~20 ms for 16M values) instead of
+      `torch.div(..., out=half)` (a slow mixed-dtype path, ~140 ms);
+    - the bucket travels in chunks with at most `window` in flight: the cast of the next chunk and
+      the widening of the previous one overlap the transfer, and since Horovod only ever has one
+      chunk queued behind the running one it cannot fuse them (fusion would copy them again).
+    """
 
     name = "fp16"
     wire_bytes = 2
+    chunk_bytes = 16 * 2**20  # of fp32 data; buckets up to this size travel as one collective
+    window = 2
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _stage(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._staging.get(name)
+        if buf is None or buf.numel() != like.numel() or buf.device != like.device:
+            buf = self._staging[name] = torch.empty(like.numel(), dtype=torch.float16, device=like.device)
+        return buf
 
     def launch(self, bucket: torch.Tensor, name: str, want_sent: bool = False) -> Pending:
+        half = self._stage(name, bucket)
+        step = max(1, self.chunk_bytes // 4)
+        pending = Pending(None, None, bucket.numel(), name, out=bucket)
+        if want_sent:
+            pending.sent = torch.empty_like(bucket)
+        for i in range(0, bucket.numel(), step):
+            part32, part16 = bucket[i:i + step], half[i:i + step]
+            # The division happens in fp32, so a per-rank value only overflows if it exceeds
+            # 65504 * n; each partial sum of the ring is then bounded by the final mean's magnitude.
+            part16.copy_(part32.div_(self.n))
+            if pending.sent is not None:  # before the collective: the in-place allreduce overwrites it
+                pending.sent[i:i + step].copy_(part16).mul_(self.n)
+            pending.chunks.append([part32, part16, None])
+            if len(pending.chunks) <= self.window:
+                self._start(pending, len(pending.chunks) - 1)
+        return pending
+
+    def _start(self, pending: Pending, i: int) -> None:
         hvd = _import_horovod()
-        # The division happens in fp32, so a per-rank value only overflows if it exceeds 65504 * n;
-        # each partial sum of the ring is then bounded by the final mean's magnitude.
-        half = bucket.div_(self.n).half()
-        sent = half.float() * self.n if want_sent else None
-        return Pending(hvd.allreduce_async_(half, op=hvd.Sum, name=name), sent, bucket.numel(), name)
+        name = pending.name if pending.numel <= self.chunk_bytes // 4 else f"{pending.name}.c{i}"
+        pending.chunks[i][2] = hvd.allreduce_async_(pending.chunks[i][1], op=hvd.Sum, name=name)
 
     def finish(self, pending: Pending) -> torch.Tensor:
-        return _import_horovod().synchronize(pending.handle).float()
+        hvd = _import_horovod()
+        for i, chunk in enumerate(pending.chunks):
+            hvd.synchronize(chunk[2])
+            if i + self.window < len(pending.chunks):  # keep the link busy before widening this one
+                self._start(pending, i + self.window)
+            chunk[0].copy_(chunk[1])
+        return pending.out
 
 
 class BF16(Codec):

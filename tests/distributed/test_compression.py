@@ -45,6 +45,30 @@ def test_bf16_reduce_equals_fp32_reduce_to_bf16_precision(world):
     assert not torch.equal(approx, exact)  # it really went through bf16
 
 
+def test_fp16_in_chunks_matches_one_collective_and_reuses_its_buffers(world):
+    g = torch.Generator().manual_seed(100 + world.rank)
+    t = torch.randn(10_001, generator=g)  # odd length: the last chunk is short
+    whole = FP16(world.size)
+    chunked = FP16(world.size)
+    chunked.chunk_bytes = 4 * 1024  # 1024 values per chunk: 10 full chunks and a short one
+    one = reduce_with(whole, t, "t.fp16.whole")
+    pending = chunked.launch(t.clone(), "t.fp16.chunks", want_sent=True)
+    assert len(pending.chunks) == 10
+    assert torch.equal(pending.sent, t.div(world.size).half().float() * world.size)
+    many = chunked.finish(pending)
+    if world.size <= 2:  # a sum of two is exact in either order
+        assert torch.equal(many, one)
+    else:  # the ring adds a chunk's values in an order that depends on where the chunk starts
+        assert torch.allclose(many, one, rtol=2**-9, atol=2**-20)
+    every = torch.stack(world.allgather_object(t, name="t.fp16.inputs"))
+    # n roundings to fp16 (unit roundoff 2^-11), each of at most the mean of |inputs|, plus subnormals.
+    bound = world.size * (2**-11 * every.abs().mean(0) + 2**-24)
+    assert ((many - every.mean(0)).abs() <= bound * 1.01).all()
+    staged = chunked._staging["t.fp16.chunks"]
+    again = reduce_with(chunked, t, "t.fp16.chunks")
+    assert chunked._staging["t.fp16.chunks"] is staged and torch.equal(again, many)
+
+
 def test_error_feedback_carries_the_residual(world):
     # 1e-8 / n underflows fp16 (smallest subnormal ~6e-8): without feedback it never arrives.
     steps, g = 100, 1e-8

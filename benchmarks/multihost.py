@@ -1,0 +1,141 @@
+"""Multi-host benchmark matrix on the namespace testbed (scripts/testbed.sh); one JSON line per result.
+
+For each host count and link rate: bring the testbed up, measure TCP goodput in the same run (iperf3,
+host 0 -> host 1), time a 64 MiB allreduce per codec (`hvdtrain bench allreduce`) and training steps
+(`hvdtrain bench compression`) at 1..N ranks. Each bus bandwidth is also given as a fraction of the
+goodput just measured, so a result says how close the collective came to what TCP itself achieves
+on that link. The testbed is always torn down (also on Ctrl-C), by scripts/bench_multihost.sh's trap
+and here in `finally`.
+
+Run as root: scripts/bench_multihost.sh [--hosts 2,3] [--rates 200mbit,1gbit] [--out FILE] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTBED = str(ROOT / "scripts" / "testbed.sh")
+BIN = Path(sys.executable).parent  # absolute paths: `testbed.sh run` puts its ssh wrapper first on PATH
+# Open MPI's own allreduce choice at 3 ranks was ~2.7x slower than ring on a shaped link (testbed.md).
+MPI_RING = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
+_JSON = re.compile(r"^(?:\[[\d,]+\]<stdout>:)?(\{.*\})\s*$")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", default="2,3", help="host counts (one rank per host)")
+    p.add_argument("--rates", default="200mbit,1gbit", help="tc link rates; 'none' = unshaped")
+    p.add_argument("--controllers", default="gloo", help="gloo and/or mpi")
+    p.add_argument("--size", default="64M", help="allreduce size (fp32 bytes)")
+    p.add_argument("--modes", default="fp32,fp16,bf16,hvd-fp16")
+    p.add_argument("--iters", type=int, default=5, help="timed allreduce repeats (after 2 warm-up)")
+    p.add_argument("--goodput-seconds", type=int, default=3)
+    p.add_argument("--task", default="synthetic", help="training task for the throughput runs ('' = skip)")
+    p.add_argument("--train-modes", default="none,fp16", help="codecs for the throughput runs")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per codec")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", help="also append every JSON line to this file")
+    return p.parse_args(argv)
+
+
+def testbed(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([TESTBED, *args], capture_output=True, text=True, check=check)
+
+
+def records(output: str) -> list[dict]:
+    """The JSON lines rank 0 printed (horovodrun may prefix them with [rank]<stdout>:)."""
+    return [json.loads(m.group(1)) for m in map(_JSON.match, output.splitlines()) if m]
+
+
+def horovodrun(np_: int, controller: str, cmd: list[str]) -> list[dict]:
+    """Run `cmd` on np_ hosts (one rank each) from host 0; returns its JSON records."""
+    hosts = ",".join(f"{os.environ['HVD_TESTBED_PREFIX']}-n{i}:1" for i in range(np_))
+    extra = ["--mpi-args=" + MPI_RING] if controller == "mpi" and np_ >= 3 else []
+    full = [str(BIN / "horovodrun"), "--disable-cache", "-np", str(np_), "-H", hosts, f"--{controller}", *extra,
+            str(BIN / "hvdtrain"), *cmd]
+    res = testbed("run", *full, check=False)
+    if res.returncode != 0:
+        tail = "\n".join((res.stdout + res.stderr).splitlines()[-15:])
+        raise RuntimeError(f"horovodrun failed ({res.returncode}): {' '.join(cmd)}\n{tail}")
+    return records(res.stdout)
+
+
+def goodput(seconds: int) -> float:
+    line = testbed("goodput", "0", "1", str(seconds)).stdout.strip().splitlines()[-1]
+    return float(json.loads(line)["goodput_mbit_s"])
+
+
+def bench_allreduce(args: argparse.Namespace, n: int, ctl: str, good: float, tag: dict) -> list[dict]:
+    out = []
+    cmd = ["bench", "allreduce", "--sizes", args.size, "--modes", args.modes, "--iters", str(args.iters)]
+    for r in horovodrun(n, ctl, cmd):
+        busbw_mbit = r["busbw_gbit_s"] * 1000
+        out.append({**tag, **r, "goodput_mbit_s": good, "busbw_mbit_s": round(busbw_mbit, 1),
+                    "busbw_of_goodput": round(busbw_mbit / good, 4)})
+    return out
+
+
+def bench_training(args: argparse.Namespace, n: int, ctl: str, tag: dict) -> list[dict]:
+    """Step time and samples/s at 1..n ranks; scaling efficiency against the 1-rank rate per codec."""
+    out, single = [], {}
+    sets = [x for s in args.overrides for x in ("--set", s)]
+    for np_ in range(1, n + 1):
+        cmd = ["bench", "compression", "--task", args.task, "--steps", str(args.steps), "--modes", args.train_modes]
+        for r in horovodrun(np_, ctl, cmd + sets):
+            rec = {**tag, **r, "np": np_}
+            if r["bench"] == "compression":
+                if np_ == 1:
+                    single[r["mode"]] = r["samples_per_s"]
+                base = single.get(r["mode"])
+                rec["scaling_efficiency"] = round(r["samples_per_s"] / (np_ * base), 4) if base else None
+            out.append(rec)
+    return out
+
+
+def emit(rec: dict, out: Path | None) -> None:
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else None
+    for n in [int(x) for x in args.hosts.split(",")]:
+        for rate in args.rates.split(","):
+            rate = "" if rate == "none" else rate
+            testbed("up", str(n), *([rate] if rate else []))
+            good = goodput(args.goodput_seconds)
+            load = os.getloadavg()[0]
+            emit({"bench": "goodput", "hosts": n, "link": rate or "unlimited", "goodput_mbit_s": good,
+                  "load1": round(load, 2), "time": time.strftime("%H:%M:%S")}, out)
+            for ctl in args.controllers.split(","):
+                tag = {"hosts": n, "link": rate or "unlimited", "controller": ctl}
+                for rec in bench_allreduce(args, n, ctl, good, tag):
+                    emit(rec, out)
+                if args.task:
+                    for rec in bench_training(args, n, ctl, tag):
+                        emit(rec, out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HVD_TESTBED_PREFIX", "hvb")
+    try:
+        return run_matrix(args)
+    finally:
+        testbed("down", check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
