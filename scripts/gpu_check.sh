@@ -113,12 +113,12 @@ def worker(out_path):
     else:
         record("oom", "skip", "no CUDA GPU (set_per_process_memory_fraction is CUDA only); " + note)
 
-    # fp16 compression: hvdtrain's codec over NCCL (Sum of pre-divided fp16), compared with fp32.
+    # fp16 compression: hvdtrain's codec (Sum of pre-divided fp16) against the fp32 average. Over
+    # NCCL on GPUs; without one the same code runs over Gloo/MPI on CPU, so an API or numeric break
+    # still fails here, but NCCL itself is reported as not checked.
     comp = config_field("compression")
     if comp is None or importlib.util.find_spec("hvdtrain.compression") is None:
         record("fp16_compression", "skip", "not built yet (hvdtrain has no compression option)")
-    elif not cuda:
-        record("fp16_compression", "skip", f"no CUDA GPU (hvdtrain has {comp}; NCCL needs a GPU)")
     else:
         try:
             from hvdtrain.compression import make_codec
@@ -127,13 +127,18 @@ def worker(out_path):
             exact = hvd.allreduce(bucket, op=hvd.Average, name="gpu_check.fp32")
             codec = make_codec("fp16", world.size)
             pending = codec.launch(bucket.clone(), name="gpu_check.fp16")
-            if hasattr(codec, "advance"):
-                codec.advance(pending)
+            codec.advance(pending)
             got = codec.finish(pending)
             err = ((got - exact).abs().max() / exact.abs().max()).item()
             ok = err < 1e-2 and math.isfinite(err)
-            record("fp16_compression", "pass" if ok else "fail", "" if ok else f"relative error {err:.2e} >= 1e-2",
-                   max_rel_error=err, mib=16, via=comp)
+            numbers = dict(max_rel_error=err, mib=16, device=world.device.type, via=comp)
+            if not ok:
+                record("fp16_compression", "fail", f"relative error {err:.2e} >= 1e-2", **numbers)
+            elif cuda:
+                record("fp16_compression", "pass", "", **numbers)
+            else:
+                record("fp16_compression", "skip", "no CUDA GPU: NCCL not checked (the codec passed over "
+                       "Gloo/MPI on CPU)", **numbers)
         except Exception as e:  # an API change in hvdtrain.compression is a failure to look at
             record("fp16_compression", "fail", f"{type(e).__name__}: {e}")
 

@@ -55,6 +55,9 @@ def test_cpu_safe_parts_run_and_gpu_checks_skip_with_reasons():
         assert checks[name]["status"] == "skip", checks[name]
     assert "no CUDA GPU" in checks["nccl_ops"]["reason"] and "no CUDA GPU" in checks["gpu_pinning"]["reason"]
     assert "OOM check" in checks["oom"]["reason"]  # says which OOM check it would run
+    comp = checks["fp16_compression"]
+    if "not built yet" not in comp["reason"]:  # hvdtrain has compression: its codec ran over Gloo/MPI
+        assert comp["device"] == "cpu" and comp["max_rel_error"] < 1e-2 and "NCCL not checked" in comp["reason"]
     build = checks["horovod_build"]
     assert build["status"] == "pass" and build["ranks"] == 2 and build["mpi"] and build["gloo"]
     bw = checks["allreduce_busbw"]
