@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed training steps per codec")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", help="also append every JSON line to this file")
+    p.add_argument("--summarize", metavar="FILE", help="print Markdown tables of a results file; run nothing")
     return p.parse_args(argv)
 
 
@@ -128,8 +129,27 @@ def run_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def summarize(path: str) -> None:
+    """Markdown tables (allreduce, training) of a results file, as docs/benchmarks.md shows them."""
+    recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print("| hosts | link | ctl | goodput Mbit/s | mode | time s | busbw Mbit/s | of goodput | vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in (r for r in recs if r["bench"] == "allreduce"):
+        print(f"| {r['hosts']} | {r['link']} | {r['controller']} | {r['goodput_mbit_s']} | {r['mode']} | "
+              f"{r['time_s']:.3f} | {r['busbw_mbit_s']} | {r['busbw_of_goodput']:.1%} | {r['speedup_vs_fp32']:.2f}x |")
+    print("\n| hosts | link | np | mode | step s | samples/s | scaling efficiency |")
+    print("|---|---|---|---|---|---|---|")
+    for r in (r for r in recs if r["bench"] == "compression"):
+        eff = r.get("scaling_efficiency")
+        print(f"| {r['hosts']} | {r['link']} | {r['np']} | {r['mode']} | {r['step_s']:.3f} | "
+              f"{r['samples_per_s']:.1f} | {'' if eff is None else f'{eff:.0%}'} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+        return 0
     os.environ.setdefault("HVD_TESTBED_PREFIX", "hvb")
     try:
         return run_matrix(args)
