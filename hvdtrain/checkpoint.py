@@ -116,7 +116,7 @@ class Checkpointer:
         if self.world.is_root:
             try:
                 self._write(final, {**state, "format": FORMAT, "ranks": ranks, "config": config})
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
                 error = f"could not write checkpoint {final}: {exc}"
         # Agreed so a full disk on rank 0 stops all ranks together rather than leaving them waiting.
         error = self.world.broadcast_object(error, name="hvdtrain.ckpt.saved")
@@ -163,6 +163,8 @@ class Checkpointer:
                 result = self._load_on_root(config)
             except CheckpointError as exc:
                 result = ("error", str(exc))
+            except Exception as exc:  # noqa: BLE001 - raising on rank 0 alone would hang the others
+                result = ("error", f"could not restore checkpoint: {type(exc).__name__}: {exc}")
         status, payload = self.world.broadcast_object(result, name="hvdtrain.ckpt.restore")
         if status == "error":
             raise CheckpointError(payload)

@@ -34,19 +34,21 @@ def rank_tails(output: str, lines: int = 15) -> str:
     return "\n".join(parts)
 
 
-def run(cmd: list[str], timeout: float = 240, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    """Run `cmd`, killing its whole process group after `timeout` seconds."""
+def run(cmd: list[str], timeout: float = 240, check: bool = True, split: bool = False,
+        **kw) -> subprocess.CompletedProcess:
+    """Run `cmd`, killing its whole process group after `timeout` seconds. `split` keeps stderr
+    apart from stdout (default: merged into stdout)."""
     kw.setdefault("env", env())
     kw.setdefault("cwd", ROOT)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kw)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if split else subprocess.STDOUT,
+                            text=True, start_new_session=True, **kw)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{rank_tails(out)}") from None
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{rank_tails(out + (err or ''))}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{rank_tails(out, 40)}")
     return result

@@ -3,12 +3,10 @@ every GPU check is a skip with its reason, and a failing check makes the script 
 
 import json
 import math
-import os
-import signal
 import subprocess
 
 import pytest
-from launch import ROOT, env
+from launch import ROOT, env, run
 
 SCRIPT = str(ROOT / "scripts" / "gpu_check.sh")
 GPU_CHECKS = {"nccl_ops", "gpu_pinning", "oom", "fp16_compression", "autocast_fp16", "autocast_bf16"}
@@ -17,15 +15,7 @@ ALL_CHECKS = GPU_CHECKS | {"environment", "horovod_build", "allreduce_busbw", "t
 
 def gpu_check(timeout: float, **extra: str) -> subprocess.CompletedProcess:
     """Run the script with stdout (the JSON lines) and stderr (launcher output) kept apart."""
-    proc = subprocess.Popen([SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=env(**extra), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"gpu_check.sh timed out after {timeout} s\n{out}\n{err[-3000:]}") from None
-    return subprocess.CompletedProcess(SCRIPT, proc.returncode, out, err)
+    return run([SCRIPT], timeout=timeout, check=False, split=True, env=env(**extra))
 
 
 def parse(stdout: str) -> dict[str, dict]:
