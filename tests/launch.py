@@ -16,6 +16,12 @@ BIN = Path(sys.executable).parent
 _TAG = re.compile(r"^\[(?:\d+,)?(\d+)\]<(?:stdout|stderr)>:")
 
 
+def untag(text: str) -> str:
+    """Output without horovodrun's rank tags. Open MPI sometimes glues the next line's tag to the end
+    of a line ("...0.9944[1,0]<stdout>:"), so tags are removed wherever they stand."""
+    return re.sub(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:", "", text)
+
+
 def env(**extra: str) -> dict[str, str]:
     e = dict(os.environ)
     e["PATH"] = f"{BIN}:{e.get('PATH', '')}"

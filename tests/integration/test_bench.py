@@ -3,15 +3,15 @@
 import json
 import re
 
-from launch import BIN, horovodrun, run
+from launch import BIN, horovodrun, run, untag
 
 CLI = str(BIN / "hvdtrain")
 
 
 def records(output: str) -> list[dict]:
     out = []
-    for line in output.splitlines():
-        m = re.match(r"^(?:\[[\d,]+\]<stdout>:)?(\{.*\})\s*$", line)
+    for line in untag(output).splitlines():
+        m = re.match(r"^(\{.*\})\s*$", line)
         if m:
             out.append(json.loads(m.group(1)))
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from launch import BIN, ROOT, env, horovodrun
+from launch import BIN, ROOT, env, horovodrun, untag
 
 from hvdtrain.checkpoint import load_checkpoint
 
@@ -94,7 +94,7 @@ def test_kill_at_a_random_step_then_resume_gives_bitwise_equal_weights(tmp_path)
     stopped_at = load_checkpoint(killed / "checkpoints" / (killed / "checkpoints" / "latest").read_text())["step"]
     assert stopped_at < LAST, "the kill came too late to test anything"
     out = _train(killed, "--resume", "auto").stdout
-    resumed = [line for line in out.splitlines() if "resumed from" in line]
+    resumed = [line.rstrip() for line in untag(out).splitlines() if "resumed from" in line]
     assert resumed and resumed[0].endswith(f"resumed from {killed}/checkpoints/step_{stopped_at:08d}"), out[-2000:]
     final = [load_checkpoint(d / "checkpoints" / f"step_{LAST:08d}")["model"] for d in (whole, killed)]
     assert final[0].keys() == final[1].keys()
