@@ -1,7 +1,6 @@
 """`hvdtrain bench` under horovodrun: one well-formed JSON line per result, printed by rank 0 only."""
 
 import json
-import re
 
 from launch import BIN, horovodrun, run, untag
 
@@ -9,11 +8,14 @@ CLI = str(BIN / "hvdtrain")
 
 
 def records(output: str) -> list[dict]:
-    out = []
-    for line in untag(output).splitlines():
-        m = re.match(r"^(\{.*\})\s*$", line)
-        if m:
-            out.append(json.loads(m.group(1)))
+    """Every JSON object printed, even when Open MPI glued two output lines together."""
+    decoder, out = json.JSONDecoder(), []
+    text = untag(output)
+    i = text.find('{"bench"')
+    while i != -1:
+        obj, end = decoder.raw_decode(text, i)
+        out.append(obj)
+        i = text.find('{"bench"', end)
     return out
 
 
