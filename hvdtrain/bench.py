@@ -104,7 +104,6 @@ def allreduce(world: World, sizes: list[int], modes: list[str], iters: int = 0, 
 
 def _time_steps(world: World, task: Any, cfg: Any, batches: list, mode: str | None, warmup: int) -> list[float]:
     """Per-step seconds of real training steps; mode None = no communication at all (compute only)."""
-    from hvdtrain.metrics import MetricSums
     from hvdtrain.optim import build_optimizer
     from hvdtrain.reducer import GradReducer
     from hvdtrain.trainer import _to_device
@@ -112,18 +111,17 @@ def _time_steps(world: World, task: Any, cfg: Any, batches: list, mode: str | No
     model = task.model
     optimizer = build_optimizer(model, cfg.optim)
     reducer = GradReducer(world, model.named_parameters(), mode or "none", cfg.comm.bucket_mb) if mode else None
-    sums, times = MetricSums(), []
+    times = []
     for i, batch in enumerate(batches):
         world.barrier()  # start every step together so one rank's lag does not hide in the next
         start = time.perf_counter()
-        loss, batch_sums = task.loss_fn(model, _to_device(batch, world.device))
+        loss, _ = task.loss_fn(model, _to_device(batch, world.device))
         loss.backward()
         if reducer is None or reducer.synchronize():
             optimizer.step()
         optimizer.zero_grad()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-        sums.add(loss, batch_sums, 1)
     if reducer is not None:
         reducer.remove()
     return times

@@ -84,11 +84,6 @@ class World:
         hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
         return hvd.allreduce(tensor, name=name, op=hvd_op)
 
-    def any(self, flag: bool, name: str) -> bool:
-        """True on every rank if `flag` is true on any rank. All ranks must call."""
-        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-        return bool(self.allreduce(t, name=name, op="max").item() > 0)
-
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """Rank `root`'s object on every rank. All ranks must call."""
         return _import_horovod().broadcast_object(obj, root_rank=root, name=name)
