@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from hvdtrain import config as config_mod
 from hvdtrain import launch
@@ -17,6 +18,17 @@ from hvdtrain.config import TASKS, Config
 from hvdtrain.errors import ConfigError, HvdtrainError
 
 EXIT_USAGE = 2
+
+# Subcommands that live in their own module: each module has `add_arguments(parser)` and
+# `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
+COMMANDS: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def _module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="continue from the latest checkpoint (or from PATH); 'auto' resumes only if one exists")
     launch.add_arguments(sub.add_parser("launch", help="run horovodrun across hosts (Slurm, hostfile) after preflight"))
     _bench_parser(sub)
+    for name, (module, text) in COMMANDS.items():
+        _module(module).add_arguments(sub.add_parser(name, help=text))
     return p
 
 
@@ -49,9 +63,13 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--steps", type=int, default=20, help="timed steps per mode (after 3 warm-up steps)")
     c.add_argument("--modes", default="none,fp16,bf16", help="codecs to compare")
+    for name, (module, text) in BENCHES.items():
+        _module(module).add_arguments(kinds.add_parser(name, help=text))
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.bench in BENCHES:
+        return _module(BENCHES[args.bench][0]).run(args)
     from hvdtrain import bench as bench_mod
     from hvdtrain.bench import MODES, parse_size
     from hvdtrain.compression import CODECS
@@ -108,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             return launch.main(args)
         if args.command == "bench":
             return bench(args)
+        if args.command in COMMANDS:
+            return _module(COMMANDS[args.command][0]).run(args)
         cfg = resolve(args)
         if args.command == "print-config":
             import yaml
