@@ -15,6 +15,7 @@ setup(
         "scikit-learn>=1.3",
         "tqdm>=4.66",
         "tensorboard>=2.14",
+        "matplotlib>=3.8",
         "pyyaml>=6.0",
     ],
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},

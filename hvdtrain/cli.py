@@ -21,8 +21,12 @@ EXIT_USAGE = 2
 
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
-COMMANDS: dict[str, tuple[str, str]] = {}
-BENCHES: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "report": ("hvdtrain.report", "PNG plots and a summary of a training run's metrics log"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "train": ("hvdtrain.bench_train", "the same training run with hvdtrain, hand-written Horovod and DDP"),
+}
 
 
 def _module(name: str) -> Any:

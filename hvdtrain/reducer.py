@@ -40,7 +40,12 @@ class GradReducer:
         self.buckets = _bucketize(params[::-1], int(bucket_mb * 2**20))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._ready = [0] * len(self.buckets)
-        self._pending: dict[int, Pending] = {}
+        self._pending: dict[int, Pending | None] = {}  # None: nothing to exchange (one rank, fp32)
+        # One persistent fp32 buffer per bucket, and each parameter's .grad a view into it: after the
+        # first step backward accumulates straight into the bucket, so a step needs no concatenation,
+        # no fresh allocation (page faults) and no copy back.
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._views: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.residuals: dict[int, torch.Tensor] = {}
         self._armed = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -63,15 +68,35 @@ class GradReducer:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in self.buckets[b]])
+        flat = self._gather(b)
         if self.error_feedback and b in self.residuals:
             flat += self.residuals[b]
+        if self.world.size == 1 and self.codec.name == "none":
+            self._pending[b] = None  # the average of one rank's fp32 gradient is itself
+            return
         compensated = flat.clone() if self.error_feedback else None
         pending = self.codec.launch(flat, name=f"hvdtrain.grad.{b}", want_sent=self.error_feedback)
         if compensated is not None and pending.sent is not None:
             # What this rank meant to send minus what the wire carried: added back next step.
             self.residuals[b] = compensated - pending.sent
         self._pending[b] = pending
+
+    def _gather(self, b: int) -> torch.Tensor:
+        """Bucket b's gradients in its flat buffer; grads that already are its views cost nothing."""
+        params, flat = self.buckets[b], self._flat[b]
+        if flat is None or flat.device != params[0].device:
+            flat = self._flat[b] = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+            offsets = [0]
+            for p in params:
+                offsets.append(offsets[-1] + p.numel())
+            self._views[b] = [flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        for p, view in zip(params, self._views[b]):
+            if p.grad is None:
+                # A parameter unused in this step still takes part, as zeros, so every rank sends equal shapes.
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+        return flat
 
     def synchronize(self) -> bool:
         """Wait for every bucket, write the averaged gradients back; True if all are finite.
@@ -83,12 +108,16 @@ class GradReducer:
             if b not in self._pending:
                 self._launch(b)
         for b in sorted(self._pending):
-            self.codec.advance(self._pending[b])
+            if self._pending[b] is not None:
+                self.codec.advance(self._pending[b])
         finite = []
         for b in sorted(self._pending):
-            out = self.codec.finish(self._pending[b])
-            finite.append(torch.isfinite(out).all())
-            _write_back(self.buckets[b], out)
+            pending, flat = self._pending[b], self._flat[b]
+            out = flat if pending is None else self.codec.finish(pending)
+            if out.data_ptr() != flat.data_ptr():  # a codec that returns a new tensor (bf16)
+                flat.copy_(out)
+            finite.append(torch.isfinite(flat).all())
+            _point_grads(self.buckets[b], self._views[b])
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self._armed = True
@@ -124,18 +153,14 @@ def _bucketize(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Te
     return [b for b in buckets if b]
 
 
-def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
-    # A parameter unused in this step still takes part, as zeros, so every rank sends equal shapes.
-    return p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
-
-
-def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        view = flat[offset:offset + n].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = view.clone()
+def _point_grads(params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+    """Make each .grad the averaged view (rebinding, not copying); other dtypes get a converted copy."""
+    for p, view in zip(params, views):
+        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            continue
+        if p.dtype == view.dtype:
+            p.grad = view
+        elif p.grad is None:
+            p.grad = view.to(p.dtype)
         else:
             p.grad.copy_(view)
-        offset += n

@@ -189,7 +189,7 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict())
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
-              lr_factor=schedule.factor, resumed_from=resumed)
+              lr_factor=schedule.factor, resumed_from=resumed, config=cfg.to_dict())
     log.bar.write(f"hvdtrain: {world.size} rank(s), global batch {sampler.global_batch}, {total} steps, "
                   f"lr x{schedule.factor:g} ({cfg.optim.lr_scaling})" + (f", resumed from {resumed}" * bool(resumed)))
     result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)

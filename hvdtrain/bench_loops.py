@@ -1,0 +1,189 @@
+"""One timed training run in one of three ways, for `hvdtrain bench train` (which launches it).
+
+- `hvdtrain`: the toolkit's own step (`trainer.train_step` with the GradReducer), under horovodrun;
+- `horovod`: the minimal hand-written loop with `hvd.DistributedOptimizer`, under horovodrun;
+- `ddp`: PyTorch DistributedDataParallel over torch.distributed (gloo on CPU, nccl on GPU), under torchrun.
+
+Every way trains the same model from the same weights on the same pre-loaded batches with one
+intra-op thread per rank. Each rank times every step; rank 0 prints one JSON line with the slowest
+rank's median (a data-parallel step is as fast as its slowest rank). Run as
+`python -m hvdtrain.bench_loops --mode M --task T [--set k=v ...]` under the matching launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MODES = ("hvdtrain", "horovod", "ddp")
+
+
+def _ddp_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
+    import torch.distributed as dist
+
+    from hvdtrain.world import World
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    world = World(dist.get_rank(), dist.get_world_size(), local_rank,
+                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world.size
+        dist.all_gather_object(out, obj)
+        return out
+    return world, gather, backend
+
+
+def _horovod_world(mode: str) -> tuple[Any, Callable[[Any], list[Any]], str]:
+    from hvdtrain.world import World, _import_horovod
+
+    hvd = _import_horovod()
+    if mode == "hvdtrain":
+        world = World.init(threads=1)  # with the toolkit's Horovod defaults
+    else:  # the hand-written loop gets Horovod exactly as a user would: plain hvd.init()
+        hvd.init()
+        device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+    controller = "gloo" if hvd.gloo_enabled() else "mpi"
+    return world, lambda obj: world.allgather_object(obj, name="bench.loops.gather"), controller
+
+
+def _hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+    from hvdtrain.metrics import MetricSums
+    from hvdtrain.optim import build_optimizer
+    from hvdtrain.reducer import GradReducer
+    from hvdtrain.trainer import train_step
+
+    model = task.model
+    world.broadcast_parameters(model.state_dict())
+    optimizer = build_optimizer(model, cfg.optim)
+    reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
+    sums = MetricSums()
+
+    def step(batch: Any) -> torch.Tensor:
+        train_step(model, optimizer, reducer, [batch], task.loss_fn, sums, cfg.optim.clip_grad_norm, world.device)
+        return sums.sums["loss"]  # the running sum of loss x samples, a tensor (no host sync)
+    return step
+
+
+def _horovod_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+    import horovod.torch as hvd
+
+    from hvdtrain.optim import build_optimizer
+
+    model = task.model
+    # Horovod: start from rank 0's weights, then average gradients with DistributedOptimizer.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(build_optimizer(model, cfg.optim), named_parameters=model.named_parameters())
+
+    def step(batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss, _ = task.loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def _ddp_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hvdtrain.optim import build_optimizer
+
+    # DDP broadcasts rank 0's parameters and buffers when it wraps the model.
+    model = DDP(task.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    optimizer = build_optimizer(model, cfg.optim)
+
+    def step(batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss, _ = task.loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def _batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
+    from hvdtrain.data import ShardedBatchSampler, train_loader
+    from hvdtrain.trainer import _to_device
+
+    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    out: list[Any] = []
+    while len(out) < count:  # wrap around small data sets, identically on every rank
+        out += [_to_device(b, world.device) for b in train_loader(task.train_set, sampler)]
+        sampler.set_epoch(sampler.epoch + 1)
+    return out[:count]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
+    """Train `warmup + steps` steps in `mode`; the record (on rank 0) or None. All ranks call."""
+    from hvdtrain.models import count_parameters
+    from hvdtrain.tasks import build_task
+
+    torch.set_num_threads(1)
+    world, gather, backend = _ddp_world() if mode == "ddp" else _horovod_world(mode)
+    task = build_task(cfg)
+    task.model.to(world.device)
+    step = {"hvdtrain": _hvdtrain_step, "horovod": _horovod_step, "ddp": _ddp_step}[mode](world, task, cfg)
+    batches = _batches(world, task, cfg, warmup + steps)
+    times, losses = [], []
+    for i, batch in enumerate(batches):
+        _sync(world.device)
+        start = time.perf_counter()
+        losses.append(step(batch))
+        _sync(world.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    mine = (statistics.median(times), statistics.fmean(times), min(times), max(times))
+    every = gather(mine)
+    if world.rank != 0:
+        return None
+    slowest = max(every)
+    # hvdtrain keeps a running sum of loss x samples; the others return each step's mean loss.
+    last = float(losses[-1] - losses[-2]) / cfg.train.batch_size if mode == "hvdtrain" else float(losses[-1])
+    return {"bench": "train-run", "mode": mode, "backend": backend, "task": cfg.task, "np": world.size,
+            "params": count_parameters(task.model), "batch_per_rank": cfg.train.batch_size,
+            "global_batch": world.size * cfg.train.batch_size, "steps": steps, "warmup": warmup,
+            "step_s": slowest[0], "mean_s": slowest[1], "step_min_s": slowest[2], "step_max_s": slowest[3],
+            "rank_medians_s": [e[0] for e in every], "last_loss": last, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hvdtrain import config as config_mod
+
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench_loops")
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--task", default="synthetic")
+    p.add_argument("--config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args(argv)
+    cfg = config_mod.build(args.config, list(args.overrides), task=args.task)
+    record = run(args.mode, cfg, args.steps, args.warmup)
+    if record is not None:
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
