@@ -177,6 +177,18 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
+
+    enabled: bool = False  # survive workers leaving and joining; keeps the global batch of the first world
+    commit_every: int = 10  # steps between in-memory commits; a failure rolls back to the last one
+    trace_samples: bool = False  # rank 0 writes each step's sample indices per rank to log.dir/samples.jsonl
+
+    def __post_init__(self) -> None:
+        _at_least("elastic", "commit_every", self.commit_every, 1)
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
 
@@ -189,6 +201,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
