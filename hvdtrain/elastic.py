@@ -89,12 +89,16 @@ class ElasticState(State):
         self._load_small(saved)
 
     def sync(self) -> None:
-        """Rank 0's state on every rank (new workers included). All ranks must call."""
+        """The most advanced rank's state on every rank (new workers included). All ranks must call."""
         hvd = _import_horovod()
+        # Horovod keeps surviving hosts first, so this is rank 0; but a new worker that got rank 0
+        # must not overwrite everyone with its fresh state (Horovod's own sync assumes it never does).
+        marks = hvd.allgather_object((self.started, self.step), name="hvdtrain.elastic.marks")
+        root = max(range(len(marks)), key=lambda r: (marks[r], -r))
         # Tensors in place by name; the rest pickled. Not broadcast_optimizer_state: on a new worker's
         # empty optimizer it would run a zero-gradient step (weight decay, Adam's counter; horovod#2805).
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        self._load_small(hvd.broadcast_object(self._small(), root_rank=0, name="hvdtrain.elastic.sync"))
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=root)
+        self._load_small(hvd.broadcast_object(self._small(), root_rank=root, name="hvdtrain.elastic.sync"))
         self.save()
 
     def reset(self) -> None:
