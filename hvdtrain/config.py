@@ -177,6 +177,16 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """Memory savings. ZeRO shards optimizer state (stage 1) and gradients too (stage 2) across ranks."""
+
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
+
+    def __post_init__(self) -> None:
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
 
@@ -189,6 +199,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)

@@ -30,6 +30,7 @@ from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
+from hvdtrain.zero import ZeroReducer
 
 
 @dataclass
@@ -124,7 +125,9 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
-    if "reducer" in state["rank"]:
+    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
+        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
+    elif "reducer" in state["rank"]:
         reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
 
@@ -163,8 +166,12 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     cfg = cfg or Config()
     model.to(world.device)
     auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
-    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
-                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
+    codec = "none" if auto else cfg.comm.compression
+    if cfg.memory.zero_stage:
+        reducer = ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
+                              cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
+    else:
+        reducer = GradReducer(world, model.named_parameters(), codec, cfg.comm.bucket_mb, cfg.comm.error_feedback)
     watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
     try:
         return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog)
@@ -183,6 +190,10 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     total = sampler.steps_per_epoch * tc.epochs
     total = min(total, tc.max_steps) if tc.max_steps else total
     optimizer = optimizer or build_optimizer(model, cfg.optim)
+    if isinstance(reducer, ZeroReducer):  # it steps this rank's shard and clips by the global norm
+        optimizer, clip = reducer.shard_optimizer(optimizer), 0.0
+    else:
+        clip = cfg.optim.clip_grad_norm
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
@@ -202,7 +213,7 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
             lr = schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
-            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
+            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
                                 world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c))
             step_seconds = time.perf_counter() - started
             step += 1
