@@ -57,7 +57,7 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     model = task.model.to(world.device)
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(max(1, steps)))]
-    rss_before = _status_kib("VmRSS") * 1024
+    rss_built = _status_kib("VmRSS") * 1024  # the model and data are built; no gradient or state yet
     _rss_reset()
     optimizer = build_optimizer(model, cfg.optim)
     if stage:
@@ -79,7 +79,7 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     reducer.remove()
     held["total"] = sum(held.values())
     held["peak_rss"] = _status_kib("VmHWM") * 1024
-    held["rss_before_model_state"] = rss_before
+    held["rss_after_model_build"] = rss_built
     held["step_s"] = statistics.median(times)
     every = world.allgather_object(held, name="hvdtrain.plan.measured")
     out = {k: max(r[k] for r in every) for k in held}
