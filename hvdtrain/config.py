@@ -189,6 +189,16 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """Memory savings. ZeRO shards optimizer state (stage 1) and gradients too (stage 2) across ranks."""
+
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
+
+    def __post_init__(self) -> None:
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
 
@@ -202,9 +212,14 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
+        if self.elastic.enabled and self.memory.zero_stage:
+            # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+            raise ConfigError(f"memory.zero_stage={self.memory.zero_stage} cannot be combined with "
+                              "elastic.enabled=true; use zero_stage 0 for elastic runs")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -31,6 +31,7 @@ from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
+from hvdtrain.zero import ZeroReducer
 
 
 @dataclass
@@ -129,7 +130,9 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
-    if "reducer" in state["rank"]:
+    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
+        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
+    elif "reducer" in state["rank"]:
         reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
 
@@ -179,8 +182,12 @@ def fit_once(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """One run in one world (an elastic run makes one per world; `elastic` is its Session)."""
     model.to(world.device)
     auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
-    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
-                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
+    codec = "none" if auto else cfg.comm.compression
+    if cfg.memory.zero_stage:
+        reducer = ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
+                              cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
+    else:
+        reducer = GradReducer(world, model.named_parameters(), codec, cfg.comm.bucket_mb, cfg.comm.error_feedback)
     watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
     try:
         return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog, elastic)
@@ -198,6 +205,10 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     sampler = elastic.sampler if elastic else ShardedBatchSampler(len(train_set), world, tc.batch_size,
                                                                   tc.accumulation, cfg.seed, tc.shuffle)
     optimizer = optimizer or build_optimizer(model, cfg.optim)
+    if isinstance(reducer, ZeroReducer):  # it steps this rank's shard and clips by the global norm
+        optimizer, clip = reducer.shard_optimizer(optimizer), 0.0
+    else:
+        clip = cfg.optim.clip_grad_norm
     ckpt = Checkpointer(cfg.checkpoint, world)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
     restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict())
@@ -221,7 +232,7 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
             lr = schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
-            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
+            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
                                 world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
                                 sampler.global_batch / world.size)
             step_seconds = time.perf_counter() - started
