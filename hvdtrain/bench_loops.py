@@ -124,9 +124,12 @@ def _batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     out: list[Any] = []
     while len(out) < count:  # wrap around small data sets, identically on every rank
-        out += [_to_device(b, world.device) for b in train_loader(task.train_set, sampler)]
+        for b in train_loader(task.train_set, sampler):
+            out.append(_to_device(b, world.device))
+            if len(out) == count:
+                break
         sampler.set_epoch(sampler.epoch + 1)
-    return out[:count]
+    return out
 
 
 def _sync(device: torch.device) -> None:

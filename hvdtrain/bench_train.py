@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -90,14 +91,18 @@ def _records(text: str, kind: str) -> list[dict[str, Any]]:
 
 
 def _launch(cmd: list[str], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:
+    # A session of its own, so a timeout (or Ctrl-C) ends mpirun and every rank, not just the launcher.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"timed out after {timeout} s: {' '.join(cmd)}\n{exc.output or ''}"[-4000:]) from None
-    recs = _records(proc.stdout, kind)
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise RuntimeError(f"stopped (timeout {timeout} s or interrupt): {' '.join(cmd)}\n{out[-4000:]}") from None
+    recs = _records(out, kind)
     if proc.returncode != 0 or not recs:
-        raise RuntimeError(f"exit {proc.returncode}, no {kind} record: {' '.join(cmd)}\n{proc.stdout[-4000:]}")
+        raise RuntimeError(f"exit {proc.returncode}, no {kind} record: {' '.join(cmd)}\n{out[-4000:]}")
     return recs
 
 
