@@ -54,6 +54,17 @@ def _wait(proc: subprocess.Popen, out: Path, what: str, ok, deadline: float) -> 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _spans(sizes: list[int]) -> str:
+    """[3, 3, 2, 2, 3] -> '3 (steps 1-2), 2 (3-4), 3 (5-5)'."""
+    spans: list[list[int]] = []
+    for step, size in enumerate(sizes, 1):
+        if spans and spans[-1][0] == size:
+            spans[-1][2] = step
+        else:
+            spans.append([size, step, step])
+    return ", ".join(f"{n} ({a}-{b})" for n, a, b in spans)
+
+
 def _accuracy(output: str) -> float:
     m = re.search(r"done: step \d+, eval loss [\d.]+ accuracy ([\d.]+)", untag(output))
     assert m, output[-3000:]
@@ -105,6 +116,7 @@ def test_worker_lost_and_back_trains_every_sample_once_and_matches_undisturbed(t
     assert "hvdtrain: 3 rank(s), global batch 96" in untag(output)
     assert sorted(trace) == sorted(expected) == list(range(1, len(expected) + 1))
     sizes = [trace[s]["world_size"] for s in sorted(trace)]
+    print("world size by step:", _spans(sizes), f"resets {trace[len(trace)]['resets']}")
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # shrank, then grew back
     assert trace[len(trace)]["resets"] >= 2
     for step, record in trace.items():
