@@ -55,7 +55,7 @@ def _wait(proc: subprocess.Popen, out: Path, what: str, ok, deadline: float) -> 
 
 
 def _spans(sizes: list[int]) -> str:
-    """[3, 3, 2, 2, 3] -> '3 (steps 1-2), 2 (3-4), 3 (5-5)'."""
+    """World size by runs of steps: [3, 3, 2, 2, 3] -> '3 (1-2), 2 (3-4), 3 (5-5)'."""
     spans: list[list[int]] = []
     for step, size in enumerate(sizes, 1):
         if spans and spans[-1][0] == size:
