@@ -20,4 +20,5 @@ def slow_loss(model, batch):
 
 
 result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=slow_loss)
+world = World.init()  # the last world's ranks: the first world's rank 0 may be gone
 world.print(f"done: step {result.step}, eval " + " ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
