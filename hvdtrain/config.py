@@ -23,6 +23,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
 
@@ -176,6 +177,38 @@ class LogConfig:
         _at_least("log", "every", self.every, 1)
 
 
+def parse_steps(text: str) -> tuple[int, int]:
+    """`"5-7"` or `"5"` -> first and last step (1-based, inclusive); ConfigError names memory.trace_steps."""
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"memory.trace_steps={text!r} must look like 5-7 (first-last step) or 5") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"memory.trace_steps={text!r} needs 1 <= first <= last")
+    return a, b
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Memory toolkit: mixed precision, activation checkpointing, the per-step memory profiler."""
+
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast and a dynamic loss scale)
+    activation_checkpointing: bool = False  # recompute each block of the model's `blocks` in backward
+    profile: bool = False  # per-step memory figures in the metrics log and a table at the end
+    trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
+    loss_scale: float = 65536.0  # fp16: initial loss scale
+    scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+
+    def __post_init__(self) -> None:
+        _choice("memory", "precision", self.precision, PRECISIONS)
+        if self.trace_steps:
+            parse_steps(self.trace_steps)
+        if self.loss_scale <= 0:
+            raise ConfigError(f"memory.loss_scale={self.loss_scale!r} must be > 0")
+        _at_least("memory", "scale_growth_interval", self.scale_growth_interval, 1)
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
@@ -189,9 +222,12 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
+        if self.memory.trace_steps and not self.log.dir:
+            raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
