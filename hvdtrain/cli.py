@@ -22,7 +22,9 @@ EXIT_USAGE = 2
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
 COMMANDS: dict[str, tuple[str, str]] = {}
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
+}
 
 
 def _module(name: str) -> Any:

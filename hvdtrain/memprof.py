@@ -215,17 +215,23 @@ class MemoryProfiler:
         if self.enabled and due and self.figures:
             log.run.write(step, "memory", dict(self.figures))
 
-    def finish(self, log: Any, step: int) -> None:
-        """The largest figures over steps and ranks, as a table on rank 0. All ranks must call."""
+    def close(self) -> None:
+        """Remove the hooks (idempotent); `finish` calls it."""
         if self._profiler is not None:  # the run ended inside the trace window
             self._maybe_stop_trace(self.trace[1])
         for h in self._hooks:
             h.remove()
+        self._hooks = []
+        if self._meter is not None:
+            self._meter.remove()
+        if self.enabled and self.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def finish(self, log: Any, step: int) -> None:
+        """The largest figures over steps and ranks, as a table on rank 0. All ranks must call."""
+        self.close()
         if not self.enabled:
             return
-        self._meter.remove()
-        if self.cuda:
-            torch.cuda.memory._record_memory_history(enabled=None)
         local = torch.tensor([float(self.maxima[k]) for k in CATEGORIES], dtype=torch.float64)
         every = self.world.allreduce(local, name="hvdtrain.memprof.max", op="max")
         top = {k: int(v) for k, v in zip(CATEGORIES, every.tolist())}
