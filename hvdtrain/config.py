@@ -23,6 +23,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
 
@@ -176,6 +177,40 @@ class LogConfig:
         _at_least("log", "every", self.every, 1)
 
 
+def parse_steps(text: str) -> tuple[int, int]:
+    """`"5-7"` or `"5"` -> first and last step (1-based, inclusive); ConfigError names memory.trace_steps."""
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"memory.trace_steps={text!r} must look like 5-7 (first-last step) or 5") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"memory.trace_steps={text!r} needs 1 <= first <= last")
+    return a, b
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Memory toolkit: mixed precision, activation checkpointing, ZeRO sharding, the memory profiler."""
+
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast and a dynamic loss scale)
+    activation_checkpointing: bool = False  # recompute each block of the model's `blocks` in backward
+    profile: bool = False  # per-step memory figures in the metrics log and a table at the end
+    trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
+    loss_scale: float = 65536.0  # fp16: initial loss scale
+    scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
+
+    def __post_init__(self) -> None:
+        _choice("memory", "precision", self.precision, PRECISIONS)
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
+        if self.trace_steps:
+            parse_steps(self.trace_steps)
+        if self.loss_scale <= 0:
+            raise ConfigError(f"memory.loss_scale={self.loss_scale!r} must be > 0")
+        _at_least("memory", "scale_growth_interval", self.scale_growth_interval, 1)
+
+
 @dataclass(frozen=True)
 class ElasticConfig:
     """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
@@ -186,16 +221,6 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         _at_least("elastic", "commit_every", self.commit_every, 1)
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """Memory savings. ZeRO shards optimizer state (stage 1) and gradients too (stage 2) across ranks."""
-
-    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
-
-    def __post_init__(self) -> None:
-        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
 
 
 @dataclass(frozen=True)
@@ -220,6 +245,12 @@ class Config:
             # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
             raise ConfigError(f"memory.zero_stage={self.memory.zero_stage} cannot be combined with "
                               "elastic.enabled=true; use zero_stage 0 for elastic runs")
+        if self.memory.trace_steps and not self.log.dir:
+            raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+        if self.memory.zero_stage and self.memory.precision == "fp16":
+            # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
+            raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
+                              f"{self.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
