@@ -23,6 +23,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
+ADAPTIVE_LR_RULES = ("adascale", "linear", "sqrt", "none")
+OOM_PHASES = ("forward", "backward")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
 
@@ -177,6 +179,47 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class AdaptiveConfig:
+    """Adaptive batch sizing (docs/adaptive.md): one controller picks micro-batch m and accumulation k
+    (global batch B = ranks x m x k) to maximise goodput, and scales the lr by `lr_rule`."""
+
+    enabled: bool = False
+    max_batch: int = 0  # B_max, global samples per step; 0 = 16 x the starting global batch
+    max_micro_batch: int = 0  # cap on m per rank; 0 = what the memory probe finds (or B_max / ranks)
+    decide_every: int = 50  # optimizer steps between batch decisions
+    warmup_steps: int = 100  # steps before the first decision (the estimators need data)
+    smoothing: float = 0.999  # per starting-batch worth of samples; horizon = B0 / (1 - smoothing) samples
+    lr_rule: str = "adascale"  # adascale (gain r; sqrt(r) for adam/adamw) | linear | sqrt | none (B / B0)
+    hysteresis: float = 0.05  # switch only if the predicted goodput gain exceeds this fraction
+    max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
+    norm_test: float = 1.0  # theta of the norm test floor B >= noise scale / theta^2; 0 = no floor
+    precondition: bool = True  # adam/adamw: measure the noise scale on preconditioned gradients
+    probe: bool = True  # memory probe before step 1 (cap on m, preferred m)
+    memory_budget_mb: float = 0.0  # CPU probe budget; 0 = memory_fraction x available RAM
+    memory_fraction: float = 0.8  # share of available (CPU) or total (GPU) memory the probe may plan for
+    probe_margin: float = 0.1  # predicted largest m is scaled down by this before it is verified
+    oom_shrink: float = 0.9  # after an OOM, m becomes the largest divisor of m x k that is <= this x m
+    inject_oom_above: int = 0  # testing: raise an OOM on a micro-batch larger than this; 0 = off
+    inject_oom_rank: int = -1  # testing: only on this rank (-1 = every rank)
+    inject_oom_step: int = 0  # testing: only from this optimizer step on (the probe counts as step 0)
+    inject_oom_in: str = "backward"  # testing: forward | backward (mid-backward, after some buckets left)
+
+    def __post_init__(self) -> None:
+        _choice("adaptive", "lr_rule", self.lr_rule, ADAPTIVE_LR_RULES)
+        _choice("adaptive", "inject_oom_in", self.inject_oom_in, OOM_PHASES)
+        for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb",
+                     "inject_oom_above", "inject_oom_step"):
+            _at_least("adaptive", name, getattr(self, name), 0)
+        _at_least("adaptive", "decide_every", self.decide_every, 1)
+        _at_least("adaptive", "inject_oom_rank", self.inject_oom_rank, -1)
+        _at_least("adaptive", "max_growth", self.max_growth, 1.0)
+        _at_least("adaptive", "hysteresis", self.hysteresis, 0.0)
+        for name in ("smoothing", "memory_fraction", "probe_margin", "oom_shrink"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ConfigError(f"adaptive.{name}={getattr(self, name)!r} must be between 0 and 1 (exclusive)")
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
 
@@ -189,9 +232,14 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
+        per_rank = self.train.batch_size * self.train.accumulation
+        if self.adaptive.enabled and self.adaptive.max_batch and self.adaptive.max_batch < per_rank:
+            raise ConfigError(f"adaptive.max_batch={self.adaptive.max_batch} is below the starting global batch "
+                              f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

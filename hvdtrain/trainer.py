@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from hvdtrain import adaptive
 from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
@@ -113,7 +114,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
 
 def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: GradReducer,
                           sampler: ShardedBatchSampler, ckpt: Checkpointer,
-                          config: dict[str, Any]) -> tuple[int, str | None]:
+                          config: dict[str, Any], ctl: Any = None) -> tuple[int, str | None]:
     state = ckpt.restore(config)
     if state is None:
         # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
@@ -124,6 +125,8 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
+    if ctl is not None:
+        ctl.load_state_dict(state["adaptive"])
     if "reducer" in state["rank"]:
         reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
@@ -185,8 +188,9 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     optimizer = optimizer or build_optimizer(model, cfg.optim)
     schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
     ckpt = Checkpointer(cfg.checkpoint, world)
+    ctl = adaptive.build(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, train_step)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
-    step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict())
+    step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(), ctl)
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
               lr_factor=schedule.factor, resumed_from=resumed)
@@ -195,15 +199,17 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)
     step_seconds, skips_in_a_row = None, 0
     for epoch in range(sampler.epoch, tc.epochs):
-        if step >= total:
+        if (ctl.progress if ctl else step) >= total:
             break
         sampler.set_epoch(epoch)
-        for micro_batches in _groups(train_loader(train_set, sampler), tc.accumulation):
-            lr = schedule.apply(step)
+        steps = ctl.batches() if ctl else _groups(train_loader(train_set, sampler), tc.accumulation)
+        for micro_batches in steps:
+            lr = ctl.apply_lr(schedule) if ctl else schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
-            finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
-                                world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c))
+            step_fn = ctl.train_step if ctl else train_step
+            finite = step_fn(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
+                             world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c))
             step_seconds = time.perf_counter() - started
             step += 1
             skips_in_a_row = 0 if finite else skips_in_a_row + 1
@@ -212,17 +218,20 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                 log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped)
                 _check_skips(skips_in_a_row, tc.stop_after_skips, step)
             watchdog.beat("metrics allreduce (hvdtrain.train), evaluation or checkpoint", step, collective=True)
-            sampler.advance(sampler.global_batch)
-            done, end_of_epoch = step >= total, sampler.epoch_done
+            samples = sampler.global_batch
+            sampler.advance(samples)
+            if ctl:
+                ctl.after_step(step, log)  # a new batch size takes effect from the next step
+            done, end_of_epoch = (ctl.progress if ctl else step) >= total, sampler.epoch_done
             if end_of_epoch:
                 sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
-            log.train_step_done(step, sampler.global_batch, done or end_of_epoch, lr=lr, epoch=epoch)
+            log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
             if eval_set is not None and (step % tc.eval_every == 0 if tc.eval_every else end_of_epoch or done):
                 result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
                 log.evaluated(step, epoch, tc.epochs, result.eval)
             if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "sampler": sampler.state_dict()}
+                         "sampler": sampler.state_dict(), **({"adaptive": ctl.state_dict()} if ctl else {})}
                 result.checkpoint = str(ckpt.save(step, state, cfg.to_dict(), {"reducer": reducer.state_dict()}))
             if done:
                 break
