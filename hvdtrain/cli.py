@@ -22,7 +22,9 @@ EXIT_USAGE = 2
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
 COMMANDS: dict[str, tuple[str, str]] = {}
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
+}
 
 
 def _module(name: str) -> Any:
