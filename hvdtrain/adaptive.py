@@ -101,6 +101,7 @@ class AdaptiveController:
     def _apply(self, m: int, k: int) -> None:
         self.m, self.k = m, k
         self.sampler.micro_batch, self.sampler.accumulation = m, k
+        self.sampler.global_batch = self.batch
 
     # ---- data ----
 

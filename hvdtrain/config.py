@@ -220,6 +220,18 @@ class AdaptiveConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
+
+    enabled: bool = False  # survive workers leaving and joining; keeps the global batch of the first world
+    commit_every: int = 10  # steps between in-memory commits; a failure rolls back to the last one
+    trace_samples: bool = False  # rank 0 writes each step's sample indices per rank to log.dir/samples.jsonl
+
+    def __post_init__(self) -> None:
+        _at_least("elastic", "commit_every", self.commit_every, 1)
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `task` picks built-in data and model; the library API ignores it."""
 
@@ -233,6 +245,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
@@ -240,6 +253,9 @@ class Config:
         if self.adaptive.enabled and self.adaptive.max_batch and self.adaptive.max_batch < per_rank:
             raise ConfigError(f"adaptive.max_batch={self.adaptive.max_batch} is below the starting global batch "
                               f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
+        if self.adaptive.enabled and self.elastic.enabled:
+            raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
+                              "need a new memory probe and a re-dealt variable batch); turn one off")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -141,7 +141,7 @@ def test_sampler_batch_changes_mid_epoch_lose_and_repeat_nothing():
     while not samplers[0].epoch_done:
         m, k = plan[min(step, len(plan) - 1)]
         for s in samplers:
-            s.variable, s.micro_batch, s.accumulation = True, m, k
+            s.variable, s.micro_batch, s.accumulation, s.global_batch = True, m, k, size * m * k
         if samplers[0].epoch_done:
             break
         for s in samplers:
