@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
+    "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
 }
 
 
