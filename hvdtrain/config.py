@@ -177,6 +177,18 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
+
+    enabled: bool = False  # survive workers leaving and joining; keeps the global batch of the first world
+    commit_every: int = 10  # steps between in-memory commits; a failure rolls back to the last one
+    trace_samples: bool = False  # rank 0 writes each step's sample indices per rank to log.dir/samples.jsonl
+
+    def __post_init__(self) -> None:
+        _at_least("elastic", "commit_every", self.commit_every, 1)
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     """Memory savings. ZeRO shards optimizer state (stage 1) and gradients too (stage 2) across ranks."""
 
@@ -199,10 +211,15 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
+        if self.elastic.enabled and self.memory.zero_stage:
+            # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+            raise ConfigError(f"memory.zero_stage={self.memory.zero_stage} cannot be combined with "
+                              "elastic.enabled=true; use zero_stage 0 for elastic runs")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
