@@ -24,7 +24,10 @@ EXIT_USAGE = 2
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hvdtrain.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
 }
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
+    "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
+}
 
 
 def _module(name: str) -> Any:

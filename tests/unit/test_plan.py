@@ -92,4 +92,4 @@ def test_memory_config_allows_stages_0_to_2_only():
     assert build(overrides=["memory.zero_stage=2"]).memory == MemoryConfig(zero_stage=2)
     with pytest.raises(ConfigError, match=r"memory.zero_stage=3 is not allowed; choose one of 0, 1, 2"):
         MemoryConfig(zero_stage=3)
-    assert dataclasses.asdict(Config())["memory"] == {"zero_stage": 0}
+    assert dataclasses.asdict(Config())["memory"]["zero_stage"] == 0
