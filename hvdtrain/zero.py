@@ -266,6 +266,11 @@ class ShardedOptimizer:
     def __init__(self, zero: ZeroReducer) -> None:
         self.zero = zero
 
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (`state`, step hooks for the memory profiler, `defaults`) is the shard
+        # optimizer's: its step runs inside `step()`, over this rank's slices and their gradients.
+        return getattr(self.zero.optimizer, name)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.zero.optimizer.param_groups
