@@ -4,12 +4,14 @@
     result = hvdtrain.fit(world, model, optimizer, train_set, hvdtrain.Config(...), eval_set=...)
 """
 
+from hvdtrain.activations import checkpoint_modules
 from hvdtrain.config import (
     CheckpointConfig,
     CommConfig,
     Config,
     DataConfig,
     LogConfig,
+    MemoryConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
@@ -20,6 +22,6 @@ from hvdtrain.world import World
 
 __version__ = "0.1.0"
 __all__ = [
-    "CheckpointConfig", "CommConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "ModelConfig",
-    "OptimConfig", "TrainConfig", "World", "evaluate", "fit",
+    "CheckpointConfig", "CommConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "MemoryConfig",
+    "ModelConfig", "OptimConfig", "TrainConfig", "World", "checkpoint_modules", "evaluate", "fit",
 ]

@@ -21,8 +21,11 @@ EXIT_USAGE = 2
 
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("hvdtrain.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
+}
 BENCHES: dict[str, tuple[str, str]] = {
+    "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
     "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
 }
 

@@ -23,6 +23,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
 ADAPTIVE_LR_RULES = ("adascale", "linear", "sqrt", "none")
 OOM_PHASES = ("forward", "backward")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
@@ -178,6 +179,40 @@ class LogConfig:
         _at_least("log", "every", self.every, 1)
 
 
+def parse_steps(text: str) -> tuple[int, int]:
+    """`"5-7"` or `"5"` -> first and last step (1-based, inclusive); ConfigError names memory.trace_steps."""
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"memory.trace_steps={text!r} must look like 5-7 (first-last step) or 5") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"memory.trace_steps={text!r} needs 1 <= first <= last")
+    return a, b
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Memory toolkit: mixed precision, activation checkpointing, ZeRO sharding, the memory profiler."""
+
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast and a dynamic loss scale)
+    activation_checkpointing: bool = False  # recompute each block of the model's `blocks` in backward
+    profile: bool = False  # per-step memory figures in the metrics log and a table at the end
+    trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
+    loss_scale: float = 65536.0  # fp16: initial loss scale
+    scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
+
+    def __post_init__(self) -> None:
+        _choice("memory", "precision", self.precision, PRECISIONS)
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
+        if self.trace_steps:
+            parse_steps(self.trace_steps)
+        if self.loss_scale <= 0:
+            raise ConfigError(f"memory.loss_scale={self.loss_scale!r} must be > 0")
+        _at_least("memory", "scale_growth_interval", self.scale_growth_interval, 1)
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     """Adaptive batch sizing (docs/adaptive.md): one controller picks micro-batch m and accumulation k
@@ -246,22 +281,41 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
-        per_rank = self.train.batch_size * self.train.accumulation
-        if self.adaptive.enabled and self.adaptive.max_batch and self.adaptive.max_batch < per_rank:
-            raise ConfigError(f"adaptive.max_batch={self.adaptive.max_batch} is below the starting global batch "
-                              f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
-        if self.adaptive.enabled and self.elastic.enabled:
-            raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
-                              "need a new memory probe and a re-dealt variable batch); turn one off")
+        _check_combinations(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _check_combinations(c: Config) -> None:
+    """Settings that are valid alone but not together, refused before any rank starts."""
+    per_rank = c.train.batch_size * c.train.accumulation
+    if c.adaptive.enabled and c.adaptive.max_batch and c.adaptive.max_batch < per_rank:
+        raise ConfigError(f"adaptive.max_batch={c.adaptive.max_batch} is below the starting global batch "
+                          f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
+    if c.adaptive.enabled and c.elastic.enabled:
+        raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
+                          "need a new memory probe and a re-dealt variable batch); turn one off")
+    if c.elastic.enabled and c.memory.zero_stage:
+        # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+        raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "
+                          "elastic.enabled=true; use zero_stage 0 for elastic runs")
+    if c.adaptive.enabled and (c.memory.zero_stage or c.memory.precision == "fp16"):
+        # The noise scale needs whole, unscaled gradients: ZeRO-2 keeps slices, fp16 scales them.
+        raise ConfigError("adaptive.enabled needs memory.zero_stage=0 and memory.precision fp32 or bf16")
+    if c.memory.trace_steps and not c.log.dir:
+        raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+    if c.memory.zero_stage and c.memory.precision == "fp16":
+        # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
+        raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
+                          f"{c.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
 
 
 def _coerce(path: str, value: Any, typ: Any) -> Any:

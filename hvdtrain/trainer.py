@@ -21,17 +21,21 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hvdtrain import adaptive
+from hvdtrain.activations import checkpoint_blocks
 from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
 from hvdtrain.errors import TrainingStopped
+from hvdtrain.memprof import MemoryProfiler, nvtx_range
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
+from hvdtrain.precision import Precision
 from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
+from hvdtrain.zero import ZeroReducer
 
 
 @dataclass
@@ -94,32 +98,33 @@ def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, micro_batches: list[Any],
                loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device,
                beat: Callable[[str, bool], None] = lambda phase, collective: None,
-               rank_samples: float | None = None) -> bool:
+               rank_samples: float | None = None, precision: Precision | None = None) -> bool:
     """One optimizer step over k micro-batches; the reducer averages gradients as the k-th backward
     produces them. Returns False (and leaves the weights alone) if the averaged gradient is not finite.
 
     `rank_samples` (global batch / ranks): each micro-batch's mean loss is weighted by its size over
     it, which keeps the average exact when shares are uneven; None: equal micro-batches, weight 1/k."""
+    precision = precision or Precision()
     for j, batch in enumerate(micro_batches):
         beat(f"forward/backward of micro-batch {j} (loss_fn)", False)
         reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
         batch = _to_device(batch, device)
-        loss, batch_sums = loss_fn(model, batch)
-        (loss / (rank_samples / _batch_len(batch) if rank_samples else len(micro_batches))).backward()
+        with precision.forward():
+            loss, batch_sums = loss_fn(model, batch)
+        precision.backward(loss / (rank_samples / _batch_len(batch) if rank_samples else len(micro_batches)))
         sums.add(loss, batch_sums, _batch_len(batch))
     beat("gradient allreduce (hvdtrain.grad.*)", True)
-    finite = reducer.synchronize()
-    if finite:
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # on the averaged gradient
-        optimizer.step()
+    with nvtx_range("allreduce wait"):
+        finite = reducer.synchronize()
+    # Horovod's mixed-precision order: synchronize, then unscale, clip and step without re-reducing.
+    precision.step(optimizer, list(model.parameters()), finite, clip, reducer)
     optimizer.zero_grad()
     return finite
 
 
 def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: GradReducer,
-                          sampler: ShardedBatchSampler, ckpt: Checkpointer,
-                          config: dict[str, Any], ctl: Any = None) -> tuple[int, str | None]:
+                          sampler: ShardedBatchSampler, ckpt: Checkpointer, config: dict[str, Any],
+                          precision: Precision, ctl: Any = None) -> tuple[int, str | None]:
     state = ckpt.restore(config)
     if state is None:
         # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
@@ -130,9 +135,12 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
+    precision.load_state_dict(state.get("precision", {}))
     if ctl is not None:
         ctl.load_state_dict(state["adaptive"])
-    if "reducer" in state["rank"]:
+    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
+        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
+    elif "reducer" in state["rank"]:
         reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
 
@@ -181,9 +189,15 @@ def fit_once(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | 
              cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, elastic: Any = None) -> FitResult:
     """One run in one world (an elastic run makes one per world; `elastic` is its Session)."""
     model.to(world.device)
+    if cfg.memory.activation_checkpointing:
+        checkpoint_blocks(model)
     auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
-    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
-                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
+    codec = "none" if auto else cfg.comm.compression
+    if cfg.memory.zero_stage:
+        reducer = ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
+                              cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
+    else:
+        reducer = GradReducer(world, model.named_parameters(), codec, cfg.comm.bucket_mb, cfg.comm.error_feedback)
     watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
     try:
         return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog, elastic)
@@ -201,10 +215,16 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     sampler = elastic.sampler if elastic else ShardedBatchSampler(len(train_set), world, tc.batch_size,
                                                                   tc.accumulation, cfg.seed, tc.shuffle)
     optimizer = optimizer or build_optimizer(model, cfg.optim)
+    if isinstance(reducer, ZeroReducer):  # it steps this rank's shard and clips by the global norm
+        optimizer, clip = reducer.shard_optimizer(optimizer), 0.0
+    else:
+        clip = cfg.optim.clip_grad_norm
     ckpt = Checkpointer(cfg.checkpoint, world)
+    precision, memprof = Precision.from_config(cfg.memory, world.device), MemoryProfiler(world, cfg, model, optimizer)
     ctl = adaptive.build(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, train_step)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
-    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(), ctl)
+    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(),
+                      precision, ctl)
     step, resumed = elastic.begin(restore) if elastic else restore()
     # The starting global batch: adaptive runs count progress and scale the lr against it.
     base = ctl.base if ctl else sampler.global_batch
@@ -229,15 +249,17 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
             step_fn = ctl.train_step if ctl else train_step
-            finite = step_fn(model, optimizer, reducer, micro_batches, loss_fn, log.sums, cfg.optim.clip_grad_norm,
-                             world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
-                             sampler.global_batch / world.size)
+            with memprof.step(step):
+                finite = step_fn(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
+                                 world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
+                                 sampler.global_batch / world.size, precision)
             step_seconds = time.perf_counter() - started
             step += 1
             skips_in_a_row = 0 if finite else skips_in_a_row + 1
             if not finite:
                 result.skipped += 1
-                log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped)
+                log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped,
+                          **precision.report())
                 _check_skips(skips_in_a_row, tc.stop_after_skips, step)
             watchdog.beat("metrics allreduce (hvdtrain.train), evaluation or checkpoint", step, collective=True)
             samples = sampler.global_batch
@@ -248,17 +270,20 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
             if end_of_epoch:
                 sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
             log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
+            memprof.record(step, log, step % cfg.log.every == 0 or done or end_of_epoch)
             if eval_set is not None and (step % tc.eval_every == 0 if tc.eval_every else end_of_epoch or done):
                 result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
                 log.evaluated(step, epoch, tc.epochs, result.eval)
             if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "sampler": sampler.state_dict(), **({"adaptive": ctl.state_dict()} if ctl else {})}
+                         "sampler": sampler.state_dict(), "precision": precision.state_dict(),
+                         **({"adaptive": ctl.state_dict()} if ctl else {})}
                 result.checkpoint = str(ckpt.save(step, state, cfg.to_dict(), {"reducer": reducer.state_dict()}))
             if elastic:
                 elastic.step_done(step, done)
             if done:
                 break
+    memprof.finish(log, step)
     log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped)
     log.close()
     result.step, result.epoch = step, sampler.epoch

@@ -14,3 +14,12 @@ def world():
     from hvdtrain.world import World
 
     return World.init(threads=1 if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ else None)
+
+
+@pytest.fixture(scope="session")
+def digits_baseline(world):
+    """Eval accuracy of the plain (fp32, uncompressed) digits run, shared by the tests that compare
+    a variant against it."""
+    from helpers import train_digits
+
+    return train_digits(world).eval["accuracy"]

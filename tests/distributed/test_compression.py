@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import blobs, flat_params, mlp, small_config
+from helpers import blobs, flat_params, mlp, small_config, train_digits
 
 import hvdtrain
 from hvdtrain.compression import BF16, FP16, Codec
-from hvdtrain.config import CommConfig, build
+from hvdtrain.config import CommConfig
 from hvdtrain.reducer import GradReducer
-from hvdtrain.tasks import build_task, classification_loss
+from hvdtrain.tasks import classification_loss
 
 
 def reduce_with(codec, t, name):
@@ -115,24 +115,9 @@ def test_inf_on_one_rank_skips_the_same_step_everywhere(world):
     assert all(torch.equal(final[0], f) for f in final) and torch.isfinite(final[0]).all()
 
 
-def train_digits(world, compression):
-    # 15 epochs with a cosine decay converge (~99%), and a 30% hold-out (539 images) makes one
-    # image 0.19 points, so the 0.5-point criterion measures the codec rather than one sample.
-    cfg = build("configs/digits.yaml", ["train.epochs=15", "data.val_fraction=0.3", "log.progress=false",
-                                        "log.tensorboard=false", f"comm.compression={compression}",
-                                        "comm.auto_steps=2"])
-    task = build_task(cfg)
-    return hvdtrain.fit(world, task.model, None, task.train_set, cfg, task.eval_set, task.loss_fn)
-
-
-@pytest.fixture(scope="module")
-def digits_baseline(world):
-    return train_digits(world, "none").eval["accuracy"]
-
-
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "auto"])
 def test_digits_accuracy_within_half_a_point_of_no_compression(world, digits_baseline, mode):
-    result = train_digits(world, mode)
+    result = train_digits(world, f"comm.compression={mode}", "comm.auto_steps=2")
     assert result.eval["accuracy"] >= digits_baseline - 0.005, (mode, result.eval["accuracy"], digits_baseline)
     if mode == "auto":
         chosen = [r for r in result.history if r.get("event") == "compression"]
