@@ -34,6 +34,11 @@ def test_two_rank_zero2_checkpoint_resumes_on_one_rank(tmp_path):
     assert mine["zero"]["world_size"] == 1
     assert int(mine["optimizer"]["state"][0]["step"]) == 6  # Adam's count continued from 4
     assert torch.isfinite(torch.cat([p.reshape(-1) for p in resumed["model"].values()])).all()
+    # Without ZeRO the sharded optimizer state cannot be used: one clear line, exit 2.
+    refused = run([CLI, "train", *COMMON, "--out", str(out), "--resume", "--set", "train.batch_size=64",
+                   "--set", "train.max_steps=8"], timeout=120, check=False, split=True)
+    assert refused.returncode == 2
+    assert "holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1 or 2" in refused.stderr
 
 
 def test_plan_measure_matches_prediction_on_one_rank():
