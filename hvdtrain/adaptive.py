@@ -48,6 +48,9 @@ class _StatsReducer:
     def synchronize(self) -> bool:
         return self.ctl._synchronize(self.inner)
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # codec, residuals, ... as the reducer has them
+
 
 class AdaptiveController:
     """Owns (m, k, LR factor, τ); every change goes through it. Methods that communicate say so."""

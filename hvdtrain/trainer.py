@@ -26,7 +26,7 @@ from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
-from hvdtrain.errors import TrainingStopped
+from hvdtrain.errors import CheckpointError, TrainingStopped
 from hvdtrain.memprof import MemoryProfiler, nvtx_range
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
@@ -132,6 +132,10 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
         # applies weight decay and advances Adam's counter (horovod#2805).
         world.broadcast_parameters(model.state_dict())
         return 0, None
+    if "zero_param_groups" in state["optimizer"] and not isinstance(reducer, ZeroReducer):
+        # Same verdict on every rank: restore() hands all ranks the same checkpoint.
+        raise CheckpointError(f"{state['path']} holds ZeRO-sharded optimizer state; resume it with "
+                              "memory.zero_stage=1 or 2 (it re-shards to any world size)")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])

@@ -182,3 +182,10 @@ def test_oom_classification():
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
     assert not is_oom(RuntimeError("shape mismatch"))
     assert Config().adaptive.enabled is False
+
+
+def test_bench_rejects_unknown_task_before_starting(capsys):
+    from hvdtrain.cli import main
+
+    assert main(["bench", "adaptive", "--tasks", "nope"]) == 2
+    assert "--tasks 'nope' is not allowed; choose from pylm, digits" in capsys.readouterr().err
