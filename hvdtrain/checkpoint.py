@@ -171,7 +171,7 @@ class Checkpointer:
         if payload is not None:
             # Per-rank state only carries over to the same rank of a same-size world; otherwise
             # each rank keeps its fresh seed-derived RNG and empty per-rank state.
-            ranks = payload.pop("ranks")
+            ranks = payload["ranks"]  # kept whole: ZeRO re-shards from every rank's optimizer shard
             same = len(ranks) == self.world.size
             payload["rank"] = ranks[self.world.rank] if same else {}
             if same:

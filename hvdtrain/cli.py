@@ -21,7 +21,9 @@ EXIT_USAGE = 2
 
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("hvdtrain.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
+}
 BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
 }
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--out", help="run folder: sets log.dir and checkpoint.dir to OUT and OUT/checkpoints")
         s.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="continue from the latest checkpoint (or from PATH); 'auto' resumes only if one exists")
+        s.add_argument("--elastic", action="store_true",
+                       help="survive workers leaving and joining (elastic.enabled=true; docs/fault-tolerance.md)")
     launch.add_arguments(sub.add_parser("launch", help="run horovodrun across hosts (Slurm, hostfile) after preflight"))
     _bench_parser(sub)
     for name, (module, text) in COMMANDS.items():
@@ -101,6 +105,8 @@ def resolve(args: argparse.Namespace) -> Config:
         flags += [f"log.dir={args.out}", f"checkpoint.dir={Path(args.out) / 'checkpoints'}"]
     if args.resume:
         flags.append(f"checkpoint.resume={args.resume}")
+    if args.elastic:
+        flags.append("elastic.enabled=true")
     return config_mod.build(args.config, flags + list(args.overrides), task=args.task)
 
 

@@ -191,7 +191,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Memory toolkit: mixed precision, activation checkpointing, the per-step memory profiler."""
+    """Memory toolkit: mixed precision, activation checkpointing, ZeRO sharding, the memory profiler."""
 
     precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast and a dynamic loss scale)
     activation_checkpointing: bool = False  # recompute each block of the model's `blocks` in backward
@@ -199,14 +199,28 @@ class MemoryConfig:
     trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
     loss_scale: float = 65536.0  # fp16: initial loss scale
     scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
 
     def __post_init__(self) -> None:
         _choice("memory", "precision", self.precision, PRECISIONS)
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
         if self.trace_steps:
             parse_steps(self.trace_steps)
         if self.loss_scale <= 0:
             raise ConfigError(f"memory.loss_scale={self.loss_scale!r} must be > 0")
         _at_least("memory", "scale_growth_interval", self.scale_growth_interval, 1)
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
+
+    enabled: bool = False  # survive workers leaving and joining; keeps the global batch of the first world
+    commit_every: int = 10  # steps between in-memory commits; a failure rolls back to the last one
+    trace_samples: bool = False  # rank 0 writes each step's sample indices per rank to log.dir/samples.jsonl
+
+    def __post_init__(self) -> None:
+        _at_least("elastic", "commit_every", self.commit_every, 1)
 
 
 @dataclass(frozen=True)
@@ -222,12 +236,21 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
+        if self.elastic.enabled and self.memory.zero_stage:
+            # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+            raise ConfigError(f"memory.zero_stage={self.memory.zero_stage} cannot be combined with "
+                              "elastic.enabled=true; use zero_stage 0 for elastic runs")
         if self.memory.trace_steps and not self.log.dir:
             raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+        if self.memory.zero_stage and self.memory.precision == "fp16":
+            # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
+            raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
+                              f"{self.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,29 +22,45 @@ from hvdtrain.world import World
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Per-rank micro-batches of a seeded, per-epoch permutation; resumes mid-epoch by sample count."""
+    """Per-rank micro-batches of a seeded, per-epoch permutation; resumes mid-epoch by sample count.
+
+    The global batch is fixed when the sampler is made (ranks x micro_batch x accumulation). Step t
+    of an epoch is the slice [t*B, (t+1)*B) of the permutation; rank r takes every n-th sample of it
+    from r, split into `accumulation` micro-batches. `resize` (elastic training) keeps B and re-deals
+    each step's slice over the new world: shares may then differ by one sample between ranks, and
+    micro-batches hold at most `micro_batch` samples (one more only if micro_batch is 1).
+    """
 
     def __init__(self, num_samples: int, world: World, micro_batch: int, accumulation: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> None:
+                 seed: int = 0, shuffle: bool = True, keep_global_batch: bool = False) -> None:
         self.num_samples = num_samples
-        self.world = world
         self.micro_batch = micro_batch
-        self.accumulation = accumulation
         self.seed = seed
         self.shuffle = shuffle
+        self.global_batch = world.size * micro_batch * accumulation
+        # Elastic runs adopt the global batch of the state they load; fixed runs refuse a mismatch.
+        self.keep_global_batch = keep_global_batch
         self.epoch = 0
         # Samples of this epoch already consumed, counted globally (all ranks), so the position
         # means the same thing whatever the world size on resume.
         self.consumed = 0
+        self.trace = False  # record the indices handed out, for `take_drawn`
+        self._drawn: list[list[int]] = []
+        self.resize(world)
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"the training set has {num_samples} samples, fewer than one global batch of "
                 f"{self.global_batch} (ranks x train.batch_size x train.accumulation); lower train.batch_size"
             )
 
-    @property
-    def global_batch(self) -> int:
-        return self.world.size * self.micro_batch * self.accumulation
+    def resize(self, world: World) -> None:
+        """Deal the same global batch over `world` (after an elastic reset)."""
+        if world.size > self.global_batch:
+            raise DataError(f"{world.size} ranks cannot share a global batch of {self.global_batch} samples; "
+                            "lower the maximum number of workers (horovodrun --max-np)")
+        self.world = world
+        most, least = -(-self.global_batch // world.size), self.global_batch // world.size
+        self.accumulation = min(-(-most // self.micro_batch), least)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -69,20 +85,32 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.num_samples, generator=g)
 
     def __iter__(self) -> Iterator[list[int]]:
-        n, m = self.world.size, self.micro_batch
-        usable = self.steps_per_epoch * self.global_batch
-        mine = self._permutation()[self.consumed:usable][self.world.rank::n]
-        for start in range(0, len(mine), m):
-            yield mine[start:start + m].tolist()
+        n, rank, b = self.world.size, self.world.rank, self.global_batch
+        perm = self._permutation()
+        for start in range(self.consumed, self.steps_per_epoch * b, b):
+            # With n | B this is the layout j*n*m + i*n + r of micro-batch j: the union over ranks
+            # of one step is the contiguous slice a single process with batch B would draw.
+            for chunk in torch.tensor_split(perm[start:start + b][rank::n], self.accumulation):
+                batch = chunk.tolist()
+                if self.trace:
+                    self._drawn.append(batch)
+                yield batch
 
     def __len__(self) -> int:
-        usable = self.steps_per_epoch * self.global_batch
-        return (usable - self.consumed) // (self.world.size * self.micro_batch)
+        return (self.steps_per_epoch * self.global_batch - self.consumed) // self.global_batch * self.accumulation
+
+    def take_drawn(self) -> list[list[int]]:
+        """Micro-batches handed out since the last call (only while `trace` is on)."""
+        drawn, self._drawn = self._drawn, []
+        return drawn
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if self.keep_global_batch and "global_batch" in state:
+            self.global_batch = state["global_batch"]
+            self.resize(self.world)
         if state["consumed"] % self.global_batch:
             raise DataError(
                 f"checkpoint position ({state['consumed']} samples into epoch {state['epoch']}) is not a "

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,19 +145,65 @@ def read_hostfile(path: str | Path) -> list[Host]:
         if not line:
             continue
         m = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?", line)
-        if not m or m.group(2) == "0":
+        if not m:
             raise LaunchError(f"hostfile {path} line {no}: expected 'host slots=N', got {line!r}")
+        if m.group(2) is not None and int(m.group(2)) == 0:
+            raise LaunchError(f"hostfile {path} line {no}: {m.group(1)} has 0 slots; give it at least 1 or remove it")
         hosts.append(Host(m.group(1), int(m.group(2) or 1)))
     if not hosts:
         raise LaunchError(f"hostfile {path} lists no hosts")
     return hosts
 
 
+def check_discovery_script(command: str) -> None:
+    """The script horovodrun will run about once a second must exist and be executable."""
+    script = shlex.split(command)[0] if command.strip() else ""
+    if not script or not Path(script).is_file():
+        raise LaunchError(f"host discovery script {script or repr(command)} does not exist")
+    if not os.access(script, os.X_OK):
+        raise LaunchError(f"host discovery script {script} is not executable (chmod +x {script})")
+
+
+def discover_hosts(command: str) -> list[Host]:
+    """Run a host discovery script once (as horovodrun will) and parse its `host:slots` lines."""
+    check_discovery_script(command)
+    try:
+        out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"host discovery script {command!r} did not finish within 60 s") from None
+    if out.returncode != 0:
+        raise LaunchError(f"host discovery script {command!r} failed (exit {out.returncode}): {_last_line(out.stderr)}")
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    if not lines:
+        raise LaunchError(f"host discovery script {command!r} printed no hosts (expected host:slots lines)")
+    return parse_hosts(",".join(lines))
+
+
+def elastic_options(args: argparse.Namespace, slots: int) -> list[str]:
+    """horovodrun's elastic flags (empty for a fixed-size job)."""
+    if not args.host_discovery_script:
+        if args.min_np or args.max_np:
+            raise LaunchError("--min-np/--max-np need --host-discovery-script (elastic mode)")
+        return []
+    if args.controller != "gloo":
+        raise LaunchError("elastic training runs on Gloo only; drop --controller mpi")
+    low, high = args.min_np or 1, args.max_np or slots
+    if low > high:
+        raise LaunchError(f"--min-np {low} is more than --max-np {high}")
+    opts = ["--min-np", str(low), "--max-np", str(high), "--host-discovery-script", args.host_discovery_script]
+    if args.blacklist_cooldown:
+        opts += ["--blacklist-cooldown-range", *map(str, args.blacklist_cooldown)]
+    return opts
+
+
 def resolve_hosts(args: argparse.Namespace, env: Mapping[str, str]) -> list[Host]:
-    if args.hosts and args.hostfile:
-        raise LaunchError("pass either --hosts or --hostfile, not both")
-    hosts = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile \
-        else hosts_from_slurm(env)
+    if sum(map(bool, (args.hosts, args.hostfile, args.host_discovery_script))) > 1:
+        raise LaunchError("pass one of --hosts, --hostfile or --host-discovery-script")
+    if args.host_discovery_script:
+        hosts = discover_hosts(args.host_discovery_script)
+    else:
+        hosts = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile \
+            else hosts_from_slurm(env)
     seen = [h.name for h in hosts]
     dup = sorted({n for n in seen if seen.count(n) > 1})
     if dup:
@@ -167,12 +214,18 @@ def resolve_hosts(args: argparse.Namespace, env: Mapping[str, str]) -> list[Host
 def build_command(args: argparse.Namespace, hosts: list[Host]) -> list[str]:
     """horovodrun's argument list for these hosts and options."""
     total = sum(h.slots for h in hosts)
-    np = args.np or total
+    elastic = elastic_options(args, total)
+    np = args.np or (min(total, args.max_np) if args.max_np else total)
     if np > total:
         raise LaunchError(f"-np {np} is more than the {total} slots of {len(hosts)} host(s)")
-    horovodrun = Path(sys.executable).with_name("horovodrun")
-    cmd = [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", str(np),
-           "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts), f"--{args.controller}"]
+    # The horovodrun of this interpreter first (a venv's bin need not be on PATH).
+    beside = Path(sys.executable).with_name("horovodrun")
+    horovodrun = str(beside) if beside.exists() else shutil.which("horovodrun")
+    if horovodrun is None:
+        raise LaunchError(f"horovodrun not found next to {sys.executable} or on PATH; install Horovod "
+                          "(./scripts/install.sh) or activate the environment that has it")
+    where = elastic or ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)]
+    cmd = [horovodrun, "-np", str(np), *where, f"--{args.controller}"]
     if args.network_interface:
         cmd += ["--network-interface", args.network_interface]
     if args.ssh_port:
@@ -290,6 +343,12 @@ def preflight(hosts: list[Host], nic: str, controller: str, ssh_port: int | None
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", help="host list like h1:2,h2:1 (default: --hostfile or the Slurm allocation)")
     p.add_argument("--hostfile", help="hostfile with 'host slots=N' lines")
+    p.add_argument("--host-discovery-script", metavar="COMMAND",
+                   help="elastic mode: command printing host:slots lines (e.g. 'scripts/discover_hosts.sh hosts.txt')")
+    p.add_argument("--min-np", type=int, help="elastic: fewest ranks to keep training with (default 1)")
+    p.add_argument("--max-np", type=int, help="elastic: most ranks (default: the slots discovered now)")
+    p.add_argument("--blacklist-cooldown", type=int, nargs=2, metavar=("MIN_S", "MAX_S"),
+                   help="elastic: a failed host may rejoin after this many seconds (default: never)")
     p.add_argument("-np", "--np", type=int, help="number of ranks (default: all slots)")
     p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo", help="Horovod controller (default gloo)")
     p.add_argument("--network-interface", help="NIC for Horovod traffic, checked on every host (e.g. eth0, ib0)")

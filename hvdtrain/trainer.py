@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
+from hvdtrain.zero import ZeroReducer
 
 
 @dataclass
@@ -95,9 +97,12 @@ def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, micro_batches: list[Any],
                loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device,
                beat: Callable[[str, bool], None] = lambda phase, collective: None,
-               precision: Precision | None = None) -> bool:
+               rank_samples: float | None = None, precision: Precision | None = None) -> bool:
     """One optimizer step over k micro-batches; the reducer averages gradients as the k-th backward
-    produces them. Returns False (and leaves the weights alone) if the averaged gradient is not finite."""
+    produces them. Returns False (and leaves the weights alone) if the averaged gradient is not finite.
+
+    `rank_samples` (global batch / ranks): each micro-batch's mean loss is weighted by its size over
+    it, which keeps the average exact when shares are uneven; None: equal micro-batches, weight 1/k."""
     precision = precision or Precision()
     for j, batch in enumerate(micro_batches):
         beat(f"forward/backward of micro-batch {j} (loss_fn)", False)
@@ -105,7 +110,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
         batch = _to_device(batch, device)
         with precision.forward():
             loss, batch_sums = loss_fn(model, batch)
-        precision.backward(loss / len(micro_batches))
+        precision.backward(loss / (rank_samples / _batch_len(batch) if rank_samples else len(micro_batches)))
         sums.add(loss, batch_sums, _batch_len(batch))
     beat("gradient allreduce (hvdtrain.grad.*)", True)
     with nvtx_range("allreduce wait"):
@@ -130,7 +135,9 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
     precision.load_state_dict(state.get("precision", {}))
-    if "reducer" in state["rank"]:
+    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
+        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
+    elif "reducer" in state["rank"]:
         reducer.load_state_dict(state["rank"]["reducer"])
     return state["step"], state["path"]
 
@@ -165,17 +172,32 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
     `optimizer` is built for one rank's batch (None: built from `cfg.optim`); its lr is scaled by
     `cfg.optim.lr_scaling`. `loss_fn(model, batch)` returns (mean loss, {metric: batch sum}).
+    With `cfg.elastic.enabled`, workers may leave and join (hvdtrain/elastic.py).
     """
     cfg = cfg or Config()
+    if cfg.elastic.enabled:
+        from hvdtrain.elastic import fit_elastic  # imports Horovod's elastic runtime, and this module
+
+        return fit_elastic(world, model, optimizer, train_set, cfg, eval_set, loss_fn)
+    return fit_once(world, model, optimizer, train_set, cfg, eval_set, loss_fn)
+
+
+def fit_once(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
+             cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, elastic: Any = None) -> FitResult:
+    """One run in one world (an elastic run makes one per world; `elastic` is its Session)."""
     model.to(world.device)
     if cfg.memory.activation_checkpointing:
         checkpoint_blocks(model)
     auto = AutoSelect(cfg.comm.auto_steps) if cfg.comm.compression == "auto" else None
-    reducer = GradReducer(world, model.named_parameters(), "none" if auto else cfg.comm.compression,
-                          cfg.comm.bucket_mb, cfg.comm.error_feedback)
+    codec = "none" if auto else cfg.comm.compression
+    if cfg.memory.zero_stage:
+        reducer = ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
+                              cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
+    else:
+        reducer = GradReducer(world, model.named_parameters(), codec, cfg.comm.bucket_mb, cfg.comm.error_feedback)
     watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
     try:
-        return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog)
+        return _fit(world, model, optimizer, train_set, cfg, eval_set, loss_fn, reducer, auto, watchdog, elastic)
     finally:
         # Also on an exception: hooks left behind would launch collectives on the user's next backward.
         watchdog.stop()
@@ -184,18 +206,25 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
          cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, reducer: GradReducer, auto: AutoSelect | None,
-         watchdog: Watchdog) -> FitResult:
+         watchdog: Watchdog, elastic: Any) -> FitResult:
     tc = cfg.train
     seed_everything(cfg.seed + world.rank)
-    sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle)
-    total = sampler.steps_per_epoch * tc.epochs
-    total = min(total, tc.max_steps) if tc.max_steps else total
+    sampler = elastic.sampler if elastic else ShardedBatchSampler(len(train_set), world, tc.batch_size,
+                                                                  tc.accumulation, cfg.seed, tc.shuffle)
     optimizer = optimizer or build_optimizer(model, cfg.optim)
-    schedule = LRSchedule(optimizer, cfg.optim, world.size, tc.accumulation, total)
+    if isinstance(reducer, ZeroReducer):  # it steps this rank's shard and clips by the global norm
+        optimizer, clip = reducer.shard_optimizer(optimizer), 0.0
+    else:
+        clip = cfg.optim.clip_grad_norm
     ckpt = Checkpointer(cfg.checkpoint, world)
     precision, memprof = Precision.from_config(cfg.memory, world.device), MemoryProfiler(world, cfg, model, optimizer)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
-    step, resumed = _restore_or_broadcast(world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(), precision)
+    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(), precision)
+    step, resumed = elastic.begin(restore) if elastic else restore()
+    total = sampler.steps_per_epoch * tc.epochs
+    total = min(total, tc.max_steps) if tc.max_steps else total
+    # ranks x accumulation in a fixed world; an elastic run keeps its first world's global batch and lr.
+    schedule = LRSchedule(optimizer, cfg.optim, sampler.global_batch // tc.batch_size, 1, total)
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
               lr_factor=schedule.factor, resumed_from=resumed)
@@ -207,14 +236,14 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
         if step >= total:
             break
         sampler.set_epoch(epoch)
-        for micro_batches in _groups(train_loader(train_set, sampler), tc.accumulation):
+        for micro_batches in _groups(train_loader(train_set, sampler), sampler.accumulation):
             lr = schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
             with memprof.step(step):
-                finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums,
-                                    cfg.optim.clip_grad_norm, world.device,
-                                    lambda phase, c, s=step: watchdog.beat(phase, s, c), precision)
+                finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
+                                    world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
+                                    sampler.global_batch / world.size, precision)
             step_seconds = time.perf_counter() - started
             step += 1
             skips_in_a_row = 0 if finite else skips_in_a_row + 1
@@ -237,6 +266,8 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "sampler": sampler.state_dict(), "precision": precision.state_dict()}
                 result.checkpoint = str(ckpt.save(step, state, cfg.to_dict(), {"reducer": reducer.state_dict()}))
+            if elastic:
+                elastic.step_done(step, done)
             if done:
                 break
     memprof.finish(log, step)

@@ -65,3 +65,32 @@ def test_eval_shards_cover_everything_once_unpadded():
     ds = torch.utils.data.TensorDataset(torch.arange(11))
     seen = [int(x) for r in range(3) for (batch,) in eval_loader(ds, fake_world(r, 3), 2) for x in batch]
     assert sorted(seen) == list(range(11))
+
+
+@pytest.mark.parametrize("new_size", [1, 2, 3, 5, 7])
+def test_resize_keeps_the_global_batch_and_each_steps_samples(new_size):
+    # 3 ranks x 4 x 2 = 24 per step; after 2 steps the world changes size mid-epoch.
+    first = ShardedBatchSampler(100, fake_world(0, 3), 4, 2, seed=5, keep_global_batch=True)
+    reference = steps(ShardedBatchSampler(100, fake_world(0, 1), 24, 1, seed=5))
+    first.advance(2 * 24)
+    state = first.state_dict()
+    per_rank = []
+    for r in range(new_size):
+        s = ShardedBatchSampler(100, fake_world(r, new_size), 4, 1, seed=5, keep_global_batch=True)
+        s.load_state_dict(state)
+        assert s.global_batch == 24 and len(s) == (4 - 2) * s.accumulation
+        per_rank.append(steps(s))
+    k = len(per_rank[0]) // 2  # micro-batches per step, the same on every rank
+    shares = [sum(map(len, micro[:k])) for micro in per_rank]
+    assert max(shares) - min(shares) <= 1  # 24 over 5 or 7 ranks: shares differ by one at most
+    assert all(len(micro) == 2 * k for micro in per_rank)
+    assert all(0 < len(m) <= 4 for micro in per_rank for m in micro)  # at most train.batch_size
+    for t in range(2):  # steps 2 and 3: the same samples the single process draws
+        union = sorted(i for micro in per_rank for m in micro[t * k:(t + 1) * k] for i in m)
+        assert union == sorted(reference[2 + t])
+
+
+def test_more_ranks_than_the_global_batch_is_a_clear_error():
+    s = ShardedBatchSampler(64, fake_world(0, 2), 2, keep_global_batch=True)
+    with pytest.raises(DataError, match="5 ranks cannot share a global batch of 4 samples"):
+        s.resize(fake_world(0, 5))

@@ -144,3 +144,14 @@ def test_preflight_on_this_machine_passes_and_finds_a_missing_nic():
     lines = launch.preflight(local, "nonexistent0", "mpi")
     assert lines == [f"host localhost: network interface nonexistent0 not found (has: "
                      f"{', '.join(sorted(os.listdir('/sys/class/net')))})"]
+
+
+def test_elastic_command_from_a_discovery_script(tmp_path, capsys, monkeypatch):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a:2\nb slots=1\n")
+    script = f"{launch.__file__.rsplit('/hvdtrain/', 1)[0]}/scripts/discover_hosts.sh {hosts}"
+    assert main(["launch", "--host-discovery-script", script, "--min-np", "2", "--blacklist-cooldown", "1", "5",
+                 "--no-preflight", "--dry-run", "--", "hvdtrain", "train", "--elastic"]) == 0
+    out = capsys.readouterr().out
+    assert (f" -np 3 --min-np 2 --max-np 3 --host-discovery-script '{script}' --blacklist-cooldown-range 1 5 "
+            "--gloo hvdtrain train --elastic") in out

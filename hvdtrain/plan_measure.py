@@ -1,0 +1,87 @@
+"""Measured side of `hvdtrain plan --measure`: a few real steps of a built-in task at one ZeRO stage.
+
+On CPU there are no allocator statistics, so the figures are exact tensor bytes each rank holds
+(parameters, gradients, optimizer state) right after the last step's update, before gradients are
+released, plus the process's peak RSS (VmHWM, reset through /proc/self/clear_refs before the steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from hvdtrain.world import World
+
+
+def _rss_reset() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _unsharded_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())  # tied weights once
+    return {"params": _tensor_bytes(params), "grads": _tensor_bytes(p.grad for p in params),
+            "optimizer": _tensor_bytes(v for st in optimizer.state.values() for v in st.values())}
+
+
+def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int) -> dict[str, Any]:
+    """Run `steps` optimizer steps; bytes per category on the largest rank, peak RSS. All ranks call."""
+    from hvdtrain.data import ShardedBatchSampler, train_loader
+    from hvdtrain.optim import build_optimizer
+    from hvdtrain.reducer import GradReducer
+    from hvdtrain.tasks import build_task
+    from hvdtrain.trainer import _to_device
+    from hvdtrain.zero import ZeroReducer
+
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=optimizer_name))
+    task = build_task(cfg)
+    model = task.model.to(world.device)
+    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(max(1, steps)))]
+    rss_built = _status_kib("VmRSS") * 1024  # the model and data are built; no gradient or state yet
+    _rss_reset()
+    optimizer = build_optimizer(model, cfg.optim)
+    if stage:
+        reducer = ZeroReducer(world, model.named_parameters(), stage, cfg.comm.compression, cfg.comm.bucket_mb)
+        optimizer = reducer.shard_optimizer(optimizer)
+    else:
+        reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        loss, _ = task.loss_fn(model, _to_device(batch, world.device))
+        loss.backward()
+        if reducer.synchronize():
+            optimizer.step()
+        times.append(time.perf_counter() - start)
+        if i == len(batches) - 1:  # gradients and updated state both alive: the steady-state high mark
+            held = reducer.memory() if stage else _unsharded_bytes(model, optimizer)
+        optimizer.zero_grad()
+    reducer.remove()
+    held["total"] = sum(held.values())
+    held["peak_rss"] = _status_kib("VmHWM") * 1024
+    held["rss_after_model_build"] = rss_built
+    held["step_s"] = statistics.median(times)
+    every = world.allgather_object(held, name="hvdtrain.plan.measured")
+    out = {k: max(r[k] for r in every) for k in held}
+    out["per_rank_total"] = [r["total"] for r in every]
+    return out

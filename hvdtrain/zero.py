@@ -1,0 +1,328 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020) over Horovod collectives.
+
+Parameters live as views in flat fp32 buckets, each padded to a multiple of the world size, so
+every rank owns an equal, known slice of every bucket (Horovod's reducescatter would otherwise give
+the first `len % n` ranks an extra row). Per optimizer step, identical on every rank:
+- during the last micro-batch's backward a post-accumulate-grad hook copies each finished bucket's
+  gradients into a flat buffer and frees `.grad`; stage 1 allreduces the bucket (and keeps the full
+  averaged bucket, the paper's 4 bytes/param of gradient), stage 2 reduce-scatters it and keeps
+  only this rank's slice;
+- one scalar allreduce of the shards' squared norms gives the global norm for clipping and the
+  non-finite verdict, so every rank skips or steps together;
+- a real torch optimizer (SGD, Adam, AdamW: elementwise, so a slice updates like the whole) steps
+  the slices only; then the updated slices are allgathered back into the buckets, at most
+  `_WINDOW` buckets in flight, so the gathered temporaries stay bucket-sized.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvdtrain.compression import make_codec
+from hvdtrain.errors import CheckpointError, ConfigError
+from hvdtrain.world import World, _import_horovod
+
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_WINDOW = 2  # buckets whose allgather / stage-2 reduce-scatter may be in flight at once
+
+
+class ZeroReducer:
+    """Reducer and sharded optimizer step for `memory.zero_stage` 1 or 2. Same interface as
+    GradReducer (arm, synchronize, set_codec, state_dict, remove); `shard_optimizer` turns the
+    user's optimizer into one over this rank's slices. All ranks must call `synchronize` and
+    the optimizer's `step` together."""
+
+    def __init__(self, world: World, named_parameters: Iterable[tuple[str, nn.Parameter]], stage: int,
+                 codec: str = "none", bucket_mb: float = 25.0, error_feedback: bool = False,
+                 clip: float = 0.0) -> None:
+        if stage not in (1, 2):
+            raise ConfigError(f"memory.zero_stage={stage!r} is not allowed here; choose one of 1, 2")
+        self.world, self.stage, self.clip = world, stage, clip
+        self.error_feedback = error_feedback
+        self.set_codec(codec)
+        seen: set[int] = set()
+        named = []
+        for name, p in named_parameters:
+            if p.requires_grad and id(p) not in seen:  # tied weights appear once
+                seen.add(id(p))
+                named.append((name, p))
+        self.buckets = _bucketize(named[::-1], int(bucket_mb * 2**20), world.size)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for _, p in b["params"]}
+        self.flat = [self._flatten(b) for b in self.buckets]
+        # Slices of the parameter buckets: what the optimizer updates in place.
+        self.shards = [self._mine(f) for f in self.flat]
+        # Stage 1 keeps every averaged gradient bucket; stage 2 only this rank's slices.
+        self.full_grads = [torch.zeros_like(f) for f in self.flat] if stage == 1 else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.grad_norm = torch.zeros(())
+        self._ready = [0] * len(self.buckets)
+        self._pending: dict[int, Any] = {}
+        self._launched: set[int] = set()
+        self._armed = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+
+    # ---- layout ----
+
+    def _flatten(self, bucket: dict[str, Any]) -> torch.Tensor:
+        first = bucket["params"][0][1]
+        flat = torch.zeros(bucket["numel"], dtype=torch.float32, device=first.device)
+        for (_, p), off in zip(bucket["params"], bucket["offsets"]):
+            view = flat[off:off + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view  # the model now reads and writes the bucket; weights move with it
+        return flat
+
+    def _mine(self, flat: torch.Tensor) -> torch.Tensor:
+        s = flat.numel() // self.world.size
+        return flat[self.world.rank * s:(self.world.rank + 1) * s]
+
+    def partition(self) -> dict[str, Any]:
+        """Which parameter elements this rank's shard holds: enough to re-shard at another size."""
+        return {"world_size": self.world.size, "rank": self.world.rank, "stage": self.stage,
+                "buckets": [{"numel": b["numel"], "names": [n for n, _ in b["params"]],
+                             "shapes": [list(p.shape) for _, p in b["params"]], "offsets": list(b["offsets"])}
+                            for b in self.buckets]}
+
+    # ---- optimizer ----
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """Replace `optimizer` (built over the model, still without state) by the same kind and
+        hyperparameters over this rank's slices."""
+        if type(optimizer) not in ELEMENTWISE:
+            raise ConfigError(f"memory.zero_stage={self.stage} needs an elementwise optimizer "
+                              f"(SGD, Adam, AdamW), got {type(optimizer).__name__}")
+        if len(optimizer.param_groups) != 1:
+            raise ConfigError(f"memory.zero_stage={self.stage} supports one parameter group, "
+                              f"got {len(optimizer.param_groups)}")
+        accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold a key it rejects
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults and k in accepted}
+        self.optimizer = type(optimizer)(self.shards, **hyper)
+        return ShardedOptimizer(self)
+
+    # ---- gradients ----
+
+    def set_codec(self, name: str) -> None:
+        """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
+        self.codec = make_codec(name, self.world.size)
+        self.residuals = {}
+
+    def arm(self, last_micro_batch: bool) -> None:
+        """Before each backward: only the last micro-batch of a step launches collectives."""
+        self._armed = last_micro_batch
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b]["params"]):
+            self._launch(b)
+
+    def _gather_grads(self, b: int) -> torch.Tensor:
+        bucket = self.buckets[b]
+        flat = self.full_grads[b] if self.full_grads is not None else torch.zeros_like(self.flat[b])
+        for (_, p), off in zip(bucket["params"], bucket["offsets"]):
+            if p.grad is None:  # unused this step: still sent, as zeros, so shapes match everywhere
+                flat[off:off + p.numel()].zero_()
+            else:
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None  # the flat bucket is now the only copy
+        return flat
+
+    def _launch(self, b: int) -> None:
+        if self.stage == 2 and len(self._pending) >= _WINDOW:
+            self._finish(min(self._pending))  # bounds the full-size stage-2 buckets alive at once
+        self._launched.add(b)
+        flat = self._gather_grads(b)
+        if self.error_feedback and b in self.residuals:
+            flat += self.residuals[b]
+        compensated = flat.clone() if self.error_feedback else None
+        name = f"hvdtrain.zero.grad.{b}"
+        if self.stage == 1:
+            pending = self.codec.launch(flat, name=name, want_sent=self.error_feedback)
+            sent = pending.sent
+        else:
+            pending, sent = _reducescatter_launch(self.codec.name, flat, self.world.size, name)
+        if compensated is not None and sent is not None:
+            self.residuals[b] = compensated - sent  # what this rank meant to send minus the wire's
+        self._pending[b] = pending
+
+    def _finish(self, b: int) -> None:
+        pending = self._pending.pop(b)
+        if self.stage == 1:
+            out = self.codec.finish(pending)
+            if out.data_ptr() != self.full_grads[b].data_ptr():
+                self.full_grads[b].copy_(out)
+            self.shards[b].grad = self._mine(self.full_grads[b])
+        else:
+            self.shards[b].grad = _reducescatter_finish(self.codec.name, pending, self.world.size)
+
+    def synchronize(self) -> bool:
+        """Finish every bucket's reduction; True if the global gradient is finite (agreed by one
+        scalar allreduce, since in stage 2 no rank sees the whole gradient). All ranks must call."""
+        for b in range(len(self.buckets)):
+            if b not in self._launched:
+                self._launch(b)
+        for b in sorted(self._pending):
+            if self.stage == 1:
+                self.codec.advance(self._pending[b])
+        for b in sorted(self._pending):
+            self._finish(b)
+        self._ready = [0] * len(self.buckets)
+        self._launched.clear()
+        self._armed = True
+        local = torch.stack([g.grad.double().pow(2).sum() for g in self.shards]).sum()
+        # inf/nan anywhere makes the global sum non-finite on every rank: one verdict for all.
+        total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
+        self.grad_norm = total[0].sqrt()
+        finite = bool(torch.isfinite(self.grad_norm))
+        if not finite:
+            self.residuals.clear()  # an inf in the residual would poison every later step
+        return finite
+
+    def step(self) -> None:
+        """Clip by the global norm, update this rank's slices, allgather them. All ranks must call."""
+        assert self.optimizer is not None, "call shard_optimizer() first"
+        if self.clip > 0:
+            coef = float(torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
+            for s in self.shards:
+                s.grad.mul_(coef)
+        self.optimizer.step()
+        hvd = _import_horovod()
+        handles: dict[int, Any] = {}
+        for b, shard in enumerate(self.shards):
+            handles[b] = hvd.allgather_async(shard, name=f"hvdtrain.zero.params.{b}")
+            if len(handles) >= _WINDOW:
+                self._copy_gathered(handles, min(handles))
+        for b in sorted(handles):
+            self._copy_gathered(handles, b)
+
+    def _copy_gathered(self, handles: dict[int, Any], b: int) -> None:
+        self.flat[b].copy_(_import_horovod().synchronize(handles.pop(b)))
+
+    def zero_grad(self) -> None:
+        for s in self.shards:
+            s.grad = None  # stage 2 frees its slices; stage 1's full buckets are reused
+
+    # ---- state ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank: this rank's optimizer shard with its partition map, codec and residuals."""
+        return {"zero": self.partition(), "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+                "codec": self.codec.name, "residuals": {str(k): v for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's own shard, saved by the same rank of a world with the same partition."""
+        if "zero" not in state or state["zero"]["buckets"] != self.partition()["buckets"] \
+                or state["zero"]["world_size"] != self.world.size:
+            raise CheckpointError("this optimizer shard was saved with another partition; use load_shards "
+                                  "with every rank's state to re-shard")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.set_codec(state["codec"])
+        self.residuals = {int(k): v for k, v in state["residuals"].items()}
+
+    def load_shards(self, saved: list[dict[str, Any]]) -> None:
+        """Restore from every saved rank's state (in rank order). The same partition loads this
+        rank's shard exactly; any other (world size, bucket size) is re-sharded by parameter name."""
+        from hvdtrain.zero_state import reshard
+
+        if not saved or any("zero" not in s for s in saved):
+            raise CheckpointError("the checkpoint has no ZeRO optimizer shards (saved with memory.zero_stage=0); "
+                                  "resume with memory.zero_stage=0")
+        mine = self.partition()
+        old = saved[0]["zero"]
+        same = old["world_size"] == self.world.size and old["buckets"] == mine["buckets"]
+        if same:
+            self.load_state_dict(saved[self.world.rank])
+        else:
+            self.optimizer.load_state_dict(reshard(saved, mine))
+            self.set_codec(saved[0]["codec"])
+
+    def memory(self) -> dict[str, int]:
+        """Exact bytes this rank holds in parameters, gradients and optimizer state."""
+        opt = sum(t.numel() * t.element_size() for st in (self.optimizer.state.values() if self.optimizer else [])
+                  for t in st.values() if isinstance(t, torch.Tensor))
+        grads = (sum(g.numel() * 4 for g in self.full_grads) if self.full_grads is not None
+                 else sum(s.grad.numel() * 4 for s in self.shards if s.grad is not None))
+        return {"params": sum(f.numel() * 4 for f in self.flat), "grads": grads, "optimizer": opt}
+
+    def remove(self) -> None:
+        """Detach the hooks (the parameters stay views into the buckets)."""
+        for h in self._hooks:
+            h.remove()
+
+
+class ShardedOptimizer:
+    """What the training loop sees as its optimizer under ZeRO: the shard optimizer's param groups
+    (so the lr schedule applies), `step` = clip + shard update + allgather. Its own state_dict is
+    only the replicated hyperparameters; the shards travel in the reducer's per-rank state."""
+
+    def __init__(self, zero: ZeroReducer) -> None:
+        self.zero = zero
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.zero.optimizer.param_groups
+
+    def step(self) -> None:
+        self.zero.step()
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"zero_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "zero_param_groups" not in state:
+            raise CheckpointError("the checkpoint's optimizer is not sharded (saved with memory.zero_stage=0); "
+                                  "resume with memory.zero_stage=0")
+        for group, saved in zip(self.param_groups, state["zero_param_groups"]):
+            group.update(saved)
+
+
+def _bucketize(named: list[tuple[str, nn.Parameter]], cap_bytes: int, n: int) -> list[dict[str, Any]]:
+    buckets: list[dict[str, Any]] = []
+    for name, p in named:
+        if not buckets or (buckets[-1]["params"] and buckets[-1]["numel"] * 4 + p.numel() * 4 > cap_bytes):
+            buckets.append({"params": [], "offsets": [], "numel": 0})
+        b = buckets[-1]
+        b["params"].append((name, p))
+        b["offsets"].append(b["numel"])
+        b["numel"] += p.numel()
+    for b in buckets:
+        b["numel"] = -(-b["numel"] // n) * n  # equal shards on every rank
+    return buckets
+
+
+def _reducescatter_launch(codec: str, flat: torch.Tensor, n: int, name: str) -> tuple[Any, torch.Tensor | None]:
+    """Start an averaging reduce-scatter of a padded fp32 bucket; returns (pending, what the wire
+    carries for this rank in fp32, or None if exact)."""
+    hvd = _import_horovod()
+    if codec == "none":
+        return ("none", hvd.reducescatter_async(flat, op=hvd.Average, name=name)), None
+    if codec == "fp16":
+        # Divide in fp32 before the cast, as the fp16 allreduce codec does: partial sums cannot overflow.
+        half = flat.div_(n).half()
+        return ("fp16", hvd.reducescatter_async(half, op=hvd.Sum, name=name)), half.float() * n
+    # bf16: Horovod has no bf16 type; the bits travel as int16 and each rank sums its chunks in fp32.
+    low = flat.bfloat16()
+    return ("bf16", hvd.alltoall_async(low.view(torch.int16), name=name + ".a2a")), low.float()
+
+
+def _reducescatter_finish(codec: str, pending: tuple[str, Any], n: int) -> torch.Tensor:
+    hvd = _import_horovod()
+    kind, handle = pending
+    out = hvd.synchronize(handle)
+    if kind == "none":
+        return out
+    if kind == "fp16":
+        return out.float()
+    chunks = out[0].view(torch.bfloat16).view(n, -1).float()
+    return (chunks.sum(dim=0) / n).bfloat16().float()  # rounded like the bf16 allreduce codec's mean

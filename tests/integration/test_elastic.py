@@ -1,0 +1,120 @@
+"""Elastic training: a worker killed mid-run is dropped and training goes on at 2 ranks; its host
+comes back and training finishes at 3; every step trains on exactly the samples of an undisturbed
+single-process run, and the final accuracy matches it."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from launch import BIN, ROOT, env, rank_tails, run, untag
+
+CLI = str(BIN / "hvdtrain")
+DISCOVER = str(ROOT / "scripts" / "discover_hosts.sh")
+# digits with a larger eval split (539 samples: one sample is 0.19 points), global batch 96, 4 epochs.
+SETS = ["train.epochs=4", "data.val_fraction=0.3", "elastic.trace_samples=true", "elastic.commit_every=4",
+        "log.progress=false", "log.tensorboard=false", "checkpoint.every=1000"]
+TIMEOUT = 240
+
+
+def _args(out: Path, *sets: str) -> list[str]:
+    return [CLI, "train", "--elastic", "--config", "configs/digits.yaml", "--out", str(out),
+            *[a for kv in [*SETS, *sets] for a in ("--set", kv)]]
+
+
+def _trace(out: Path) -> dict[int, dict]:
+    """The last record of each step: a step replayed after a rollback was written again later."""
+    path = out / "samples.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {r["step"]: r for r in records}
+
+
+def _worker_on(host: str, launcher: int) -> psutil.Process | None:
+    for p in psutil.Process(launcher).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            on_host = p.environ().get("HOROVOD_HOSTNAME") == host
+            if on_host and "train" in p.cmdline() and Path(p.exe()).name.startswith("python"):
+                return p
+    return None
+
+
+def _wait(proc: subprocess.Popen, out: Path, what: str, ok, deadline: float) -> dict[int, dict]:
+    while time.monotonic() < deadline:
+        trace = _trace(out)
+        if ok(trace):
+            return trace
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _accuracy(output: str) -> float:
+    m = re.search(r"done: step \d+, eval loss [\d.]+ accuracy ([\d.]+)", untag(output))
+    assert m, output[-3000:]
+    return float(m.group(1))
+
+
+def _disturbed_run(tmp_path: Path) -> tuple[str, dict[int, dict], float]:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    out = tmp_path / "elastic"
+    # Two names for this machine: Horovod blacklists a failed worker's host, and a job whose every
+    # host is blacklisted stops. The cooldown lets 127.0.0.1 rejoin once the discovery lists it again.
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", f"{DISCOVER} {hosts}", "--blacklist-cooldown-range", "1", "2", *_args(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)
+    started = time.monotonic()
+    deadline = started + TIMEOUT
+    try:
+        _wait(proc, out, "step 6 at 3 ranks", lambda t: 6 in t, deadline)
+        killed = time.monotonic()
+        victim = _worker_on("127.0.0.1", proc.pid)
+        assert victim is not None, "no worker runs on 127.0.0.1"
+        hosts.write_text("localhost:2\n")  # the host is gone...
+        victim.send_signal(signal.SIGKILL)
+        _wait(proc, out, "a step at 2 ranks", lambda t: any(r["world_size"] == 2 for r in t.values()), deadline)
+        shrunk = time.monotonic()
+        hosts.write_text("localhost:2\n127.0.0.1:1\n")  # ...and comes back
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{exc}\n{rank_tails(output, 40)}") from None
+    assert proc.returncode == 0, rank_tails(output, 40)
+    print(f"elastic run: {time.monotonic() - started:.1f} s (kill at {killed - started:.1f} s, "
+          f"first step at 2 ranks {shrunk - killed:.1f} s later)")
+    return output, _trace(out), _accuracy(output)
+
+
+def test_worker_lost_and_back_trains_every_sample_once_and_matches_undisturbed(tmp_path):
+    output, trace, accuracy = _disturbed_run(tmp_path)
+    # The reference: one process, the same global batch (32 x 3 micro-batches), no launcher.
+    reference = tmp_path / "reference"
+    ref_out = run(_args(reference, "train.accumulation=3"), timeout=TIMEOUT).stdout
+    expected = _trace(reference)
+    assert "hvdtrain: 3 rank(s), global batch 96" in untag(output)
+    assert sorted(trace) == sorted(expected) == list(range(1, len(expected) + 1))
+    sizes = [trace[s]["world_size"] for s in sorted(trace)]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # shrank, then grew back
+    assert trace[len(trace)]["resets"] >= 2
+    for step, record in trace.items():
+        shares = record["ranks"]
+        flat = [i for share in shares for i in share]
+        assert len(flat) == len(set(flat)) == 96, step  # no sample twice within a step
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # 96 over 2 or 3 ranks: even
+        assert sorted(flat) == sorted(expected[step]["ranks"][0]), step  # the undisturbed run's samples
+    steps_per_epoch = len(expected) // 4
+    for epoch in range(4):
+        seen = [i for s in range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1)
+                for share in trace[s]["ranks"] for i in share]
+        assert len(seen) == len(set(seen)) == steps_per_epoch * 96  # each sample of the epoch once
+    ref_accuracy = _accuracy(ref_out)
+    print(f"accuracy: elastic {accuracy:.4f}, undisturbed {ref_accuracy:.4f}")
+    assert abs(accuracy - ref_accuracy) <= 0.005, (accuracy, ref_accuracy)

@@ -1,0 +1,95 @@
+"""The planner's formulas against hand-computed values, and its input errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hvdtrain import plan
+from hvdtrain.cli import main
+from hvdtrain.config import Config, MemoryConfig, ModelConfig, build
+from hvdtrain.errors import ConfigError
+from hvdtrain.models import GPT, count_parameters
+
+
+def test_paper_example_7_5b_adam_mixed_precision_64_ranks():
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, K=12, N=64 -> 120, 31.4, 16.6 GB per device.
+    psi = 7_500_000_000
+    totals = [plan.memory(psi, 64, s, "adam", "fp16")["total"] for s in (0, 1, 2)]
+    assert totals == [120e9, 30e9 + 12 * psi / 64, 15e9 + 14 * psi / 64]
+    assert round(totals[1] / 1e9, 1) == 31.4 and round(totals[2] / 1e9, 1) == 16.6
+
+
+def test_fp32_adam_and_sgd_by_category():
+    psi, n = 1000, 4
+    assert plan.memory(psi, n, 0, "adamw", "fp32") == {"params": 4000, "grads": 4000, "optimizer": 8000,
+                                                         "total": 16000}
+    assert plan.memory(psi, n, 1, "adam", "fp32") == {"params": 4000, "grads": 4000, "optimizer": 2000,
+                                                        "total": 10000}
+    assert plan.memory(psi, n, 2, "adam", "fp32") == {"params": 4000, "grads": 1000, "optimizer": 2000,
+                                                        "total": 7000}
+    assert plan.memory(psi, n, 0, "sgd", "fp32")["optimizer"] == 4000  # momentum buffer
+    assert plan.memory(psi, n, 0, "sgd", "fp32", momentum=False)["optimizer"] == 0
+    assert plan.memory(psi, n, 2, "sgd", "bf16")["optimizer"] == 8 * psi / n  # fp32 master + momentum
+
+
+def test_ring_model_times():
+    gb = 1e9
+    # 1 GB allreduce on 4 ranks at 10 Gbit/s (1.25e9 B/s): 2*3/4 * 1e9 / 1.25e9 = 1.2 s.
+    assert plan.ring_seconds("allreduce", gb, 4, 1.25e9, 0.0) == pytest.approx(1.2)
+    assert plan.ring_seconds("reducescatter", gb, 4, 1.25e9, 0.0) == pytest.approx(0.6)
+    # Latency: 2(N-1) messages per bucket for allreduce.
+    assert plan.ring_seconds("allreduce", 0, 4, 1.25e9, 1e-4, buckets=2) == pytest.approx(12e-4)
+    assert plan.ring_seconds("allgather", gb, 1, 1.0, 1.0) == 0.0
+    c = plan.comm(250_000_000, 4, 2, "fp32", "none", 1.25e9, 0.0, 2**40)
+    assert c["reducescatter"] == pytest.approx(0.6) and c["allgather"] == pytest.approx(0.6)
+    c = plan.comm(250_000_000, 4, 1, "fp32", "fp16", 1.25e9, 0.0, 2**40)
+    assert c["allreduce"] == pytest.approx(0.6) and c["total"] == pytest.approx(1.2)  # fp16 gradients
+
+
+def test_model_parameter_count_matches_the_built_model():
+    cfg = Config(task="pylm", model=ModelConfig(n_layer=3, n_head=2, n_embd=48))
+    torch.manual_seed(0)
+    assert plan.count_model_params(cfg) == count_parameters(GPT(cfg.model))
+
+
+def test_largest_depth_fits_and_one_more_does_not():
+    cfg = Config(task="pylm", model=ModelConfig(preset="small"))
+    budget = 2**29
+    best = plan.largest_layers(cfg, budget, 2, 2, "adam", "fp32")
+    per_layer = 12 * 384 * 384 + 13 * 384  # attention, MLP, two layer norms
+    assert plan.memory(best["params"], 2, 2, "adam", "fp32")["total"] <= budget
+    assert plan.memory(best["params"] + per_layer, 2, 2, "adam", "fp32")["total"] > budget
+    assert plan.largest_layers(cfg, budget, 2, 0, "adam", "fp32")["n_layer"] < best["n_layer"]
+
+
+@pytest.mark.parametrize("call", [
+    lambda: plan.memory(10, 2, 3, "adam", "fp32"),
+    lambda: plan.memory(10, 2, 0, "lamb", "fp32"),
+    lambda: plan.memory(10, 2, 0, "adam", "fp8"),
+    lambda: plan.memory(0, 2, 0, "adam", "fp32"),
+    lambda: plan.memory(10, 0, 0, "adam", "fp32"),
+])
+def test_bad_inputs_raise_config_error(call):
+    with pytest.raises(ConfigError):
+        call()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "10", "--zero-stage", "3"], "--zero-stage='3' is not allowed"),
+    (["--params", "10", "--precision", "fp8"], "--precision='fp8' is not allowed"),
+    (["--params", "10", "--bandwidth", "0"], "--bandwidth must be > 0"),
+    (["--params", "10", "--measure"], "--measure runs a built-in task in fp32"),
+    (["--task", "digits", "--budget-gb", "1"], "--budget-gb searches pylm depths"),
+])
+def test_cli_input_errors_are_one_line_exit_2(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_memory_config_allows_stages_0_to_2_only():
+    assert build(overrides=["memory.zero_stage=2"]).memory == MemoryConfig(zero_stage=2)
+    with pytest.raises(ConfigError, match=r"memory.zero_stage=3 is not allowed; choose one of 0, 1, 2"):
+        MemoryConfig(zero_stage=3)
+    assert dataclasses.asdict(Config())["memory"]["zero_stage"] == 0
