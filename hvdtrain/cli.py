@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
+    "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
 }
 
 
@@ -120,6 +121,8 @@ def train(cfg: Config) -> int:
     world = World.init()
     task = build_task(cfg)
     result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=task.loss_fn)
+    if cfg.elastic.enabled:
+        world = World.init()  # the last world's ranks: the first world's rank 0 may be gone
     shown = " ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     world.print(f"done: step {result.step}, eval {shown}")
     if result.checkpoint:

@@ -8,6 +8,9 @@
   chunk j of every rank's bucket to rank j, which sums its n chunks in fp32 (a reduce-scatter) and
   allgathers the bf16 result. Wire bytes equal a bf16 ring allreduce; accumulation stays fp32.
 
+`reducescatter_launch`/`reducescatter_finish` are the same three codecs as a reduce-scatter for
+ZeRO stage 2: each rank gets back only its slice of the averaged bucket.
+
 Each codec's `launch` starts the collective(s) asynchronously and returns a `Pending`; `finish`
 waits and returns the averaged fp32 bucket. All ranks must launch the same names.
 """
@@ -192,3 +195,32 @@ class AutoSelect:
         self.choice = world.broadcast_object(best, name="hvdtrain.auto.choice")
         self.medians = world.broadcast_object(medians, name="hvdtrain.auto.medians")
         return self.choice
+
+
+def reducescatter_launch(codec: str, flat: torch.Tensor, n: int, name: str) -> tuple[Any, torch.Tensor | None]:
+    """Start an averaging reduce-scatter (ZeRO-2) of a flat fp32 bucket whose length is a multiple
+    of `n`; returns (pending, this rank's contribution as the wire carries it in fp32, or None if
+    exact). All ranks must call with the same name."""
+    hvd = _import_horovod()
+    if codec == "none":
+        return ("none", hvd.reducescatter_async(flat, op=hvd.Average, name=name)), None
+    if codec == "fp16":
+        # Divide in fp32 before the cast, as the fp16 allreduce codec does: partial sums cannot overflow.
+        half = flat.div_(n).half()
+        return ("fp16", hvd.reducescatter_async(half, op=hvd.Sum, name=name)), half.float() * n
+    # bf16: Horovod has no bf16 type; the bits travel as int16 and each rank sums its chunks in fp32.
+    low = flat.bfloat16()
+    return ("bf16", hvd.alltoall_async(low.view(torch.int16), name=name + ".a2a")), low.float()
+
+
+def reducescatter_finish(codec: str, pending: tuple[str, Any], n: int) -> torch.Tensor:
+    """Wait; return this rank's slice of the averaged bucket in fp32."""
+    hvd = _import_horovod()
+    kind, handle = pending
+    out = hvd.synchronize(handle)
+    if kind == "none":
+        return out
+    if kind == "fp16":
+        return out.float()
+    chunks = out[0].view(torch.bfloat16).view(n, -1).float()
+    return (chunks.sum(dim=0) / n).bfloat16().float()  # rounded like the bf16 allreduce codec's mean

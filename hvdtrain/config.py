@@ -24,6 +24,8 @@ LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
+ADAPTIVE_LR_RULES = ("adascale", "linear", "sqrt", "none")
+OOM_PHASES = ("forward", "backward")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
 
@@ -212,6 +214,47 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class AdaptiveConfig:
+    """Adaptive batch sizing (docs/adaptive.md): one controller picks micro-batch m and accumulation k
+    (global batch B = ranks x m x k) to maximise goodput, and scales the lr by `lr_rule`."""
+
+    enabled: bool = False
+    max_batch: int = 0  # B_max, global samples per step; 0 = 16 x the starting global batch
+    max_micro_batch: int = 0  # cap on m per rank; 0 = what the memory probe finds (or B_max / ranks)
+    decide_every: int = 50  # optimizer steps between batch decisions
+    warmup_steps: int = 100  # steps before the first decision (the estimators need data)
+    smoothing: float = 0.999  # per starting-batch worth of samples; horizon = B0 / (1 - smoothing) samples
+    lr_rule: str = "adascale"  # adascale (gain r; sqrt(r) for adam/adamw) | linear | sqrt | none (B / B0)
+    hysteresis: float = 0.05  # switch only if the predicted goodput gain exceeds this fraction
+    max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
+    norm_test: float = 1.0  # theta of the norm test floor B >= noise scale / theta^2; 0 = no floor
+    precondition: bool = True  # adam/adamw: measure the noise scale on preconditioned gradients
+    probe: bool = True  # memory probe before step 1 (cap on m, preferred m)
+    memory_budget_mb: float = 0.0  # CPU probe budget; 0 = memory_fraction x available RAM
+    memory_fraction: float = 0.8  # share of available (CPU) or total (GPU) memory the probe may plan for
+    probe_margin: float = 0.1  # predicted largest m is scaled down by this before it is verified
+    oom_shrink: float = 0.9  # after an OOM, m becomes the largest divisor of m x k that is <= this x m
+    inject_oom_above: int = 0  # testing: raise an OOM on a micro-batch larger than this; 0 = off
+    inject_oom_rank: int = -1  # testing: only on this rank (-1 = every rank)
+    inject_oom_step: int = 0  # testing: only from this optimizer step on (the probe counts as step 0)
+    inject_oom_in: str = "backward"  # testing: forward | backward (mid-backward, after some buckets left)
+
+    def __post_init__(self) -> None:
+        _choice("adaptive", "lr_rule", self.lr_rule, ADAPTIVE_LR_RULES)
+        _choice("adaptive", "inject_oom_in", self.inject_oom_in, OOM_PHASES)
+        for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb",
+                     "inject_oom_above", "inject_oom_step"):
+            _at_least("adaptive", name, getattr(self, name), 0)
+        _at_least("adaptive", "decide_every", self.decide_every, 1)
+        _at_least("adaptive", "inject_oom_rank", self.inject_oom_rank, -1)
+        _at_least("adaptive", "max_growth", self.max_growth, 1.0)
+        _at_least("adaptive", "hysteresis", self.hysteresis, 0.0)
+        for name in ("smoothing", "memory_fraction", "probe_margin", "oom_shrink"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ConfigError(f"adaptive.{name}={getattr(self, name)!r} must be between 0 and 1 (exclusive)")
+
+
+@dataclass(frozen=True)
 class ElasticConfig:
     """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
 
@@ -236,27 +279,43 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
-        if self.elastic.enabled and self.memory.zero_stage:
-            # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
-            raise ConfigError(f"memory.zero_stage={self.memory.zero_stage} cannot be combined with "
-                              "elastic.enabled=true; use zero_stage 0 for elastic runs")
-        if self.memory.trace_steps and not self.log.dir:
-            raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
-        if self.memory.zero_stage and self.memory.precision == "fp16":
-            # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
-            raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
-                              f"{self.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
+        _check_combinations(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _check_combinations(c: Config) -> None:
+    """Settings that are valid alone but not together, refused before any rank starts."""
+    per_rank = c.train.batch_size * c.train.accumulation
+    if c.adaptive.enabled and c.adaptive.max_batch and c.adaptive.max_batch < per_rank:
+        raise ConfigError(f"adaptive.max_batch={c.adaptive.max_batch} is below the starting global batch "
+                          f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
+    if c.adaptive.enabled and c.elastic.enabled:
+        raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
+                          "need a new memory probe and a re-dealt variable batch); turn one off")
+    if c.elastic.enabled and c.memory.zero_stage:
+        # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+        raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "
+                          "elastic.enabled=true; use zero_stage 0 for elastic runs")
+    if c.adaptive.enabled and (c.memory.zero_stage or c.memory.precision == "fp16"):
+        # The noise scale needs whole, unscaled gradients: ZeRO-2 keeps slices, fp16 scales them.
+        raise ConfigError("adaptive.enabled needs memory.zero_stage=0 and memory.precision fp32 or bf16")
+    if c.memory.trace_steps and not c.log.dir:
+        raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+    if c.memory.zero_stage and c.memory.precision == "fp16":
+        # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
+        raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
+                          f"{c.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
 
 
 def _coerce(path: str, value: Any, typ: Any) -> Any:

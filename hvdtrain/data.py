@@ -41,6 +41,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # Elastic runs adopt the global batch of the state they load; fixed runs refuse a mismatch.
         self.keep_global_batch = keep_global_batch
         self.epoch = 0
+        # Adaptive batch sizing changes m and k between steps: a resume position then need not be a
+        # multiple of the current global batch, and an epoch ends when less than one batch is left.
+        self.variable = False
         # Samples of this epoch already consumed, counted globally (all ranks), so the position
         # means the same thing whatever the world size on resume.
         self.consumed = 0
@@ -68,7 +71,20 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     @property
     def epoch_done(self) -> bool:
-        return self.consumed >= self.steps_per_epoch * self.global_batch
+        # Same as consumed >= steps_per_epoch x B while B is fixed (consumed is then a multiple of B).
+        return self.num_samples - self.consumed < self.global_batch
+
+    def step_indices(self) -> list[list[int]]:
+        """This rank's k micro-batches of m indices for the next step, from the current position.
+
+        A pure function of (epoch, consumed, m, k, rank): a retry after an OOM with a smaller m asks
+        again and gets the same global samples, split differently; a batch change takes effect at the
+        next step without losing or repeating a sample.
+        """
+        n, m, k = self.world.size, self.micro_batch, self.accumulation
+        window = self._permutation()[self.consumed:self.consumed + self.global_batch]
+        mine = window[self.world.rank::n]
+        return [mine[j * m:(j + 1) * m].tolist() for j in range(k)]
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -111,7 +127,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if self.keep_global_batch and "global_batch" in state:
             self.global_batch = state["global_batch"]
             self.resize(self.world)
-        if state["consumed"] % self.global_batch:
+        if state["consumed"] % self.global_batch and not self.variable:
             raise DataError(
                 f"checkpoint position ({state['consumed']} samples into epoch {state['epoch']}) is not a "
                 f"multiple of the current global batch {self.global_batch}; resume with the same global batch"

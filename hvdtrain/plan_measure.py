@@ -77,6 +77,8 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
             held = reducer.memory() if stage else _unsharded_bytes(model, optimizer)
         optimizer.zero_grad()
     reducer.remove()
+    numels = [b["numel"] for b in reducer.buckets] if stage else [sum(p.numel() for p in b) for b in reducer.buckets]
+    comm = _comm_seconds(world, numels, stage)
     held["total"] = sum(held.values())
     held["peak_rss"] = _status_kib("VmHWM") * 1024
     held["rss_after_model_build"] = rss_built
@@ -84,4 +86,32 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     every = world.allgather_object(held, name="hvdtrain.plan.measured")
     out = {k: max(r[k] for r in every) for k in held}
     out["per_rank_total"] = [r["total"] for r in every]
+    out["comm_s"] = {k: max(c[k] for c in world.allgather_object(comm, name="hvdtrain.plan.comm")) for k in comm}
+    return out
+
+
+def _comm_seconds(world: World, numels: list[int], stage: int, repeats: int = 3) -> dict[str, float]:
+    """Median seconds of the step's collectives over the real bucket sizes, one bucket after the
+    other, without compute to overlap (what the ring model predicts). All ranks call."""
+    from hvdtrain.world import _import_horovod
+
+    hvd = _import_horovod()
+    kinds = ["reducescatter" if stage == 2 else "allreduce"] + (["allgather"] if stage else [])
+    out: dict[str, float] = {}
+    for kind in kinds:
+        times = []
+        for i in range(repeats + 1):  # the first round warms up Horovod's buffers
+            bufs = [torch.randn(n // world.size if kind == "allgather" else n) for n in numels]
+            world.barrier()
+            start = time.perf_counter()
+            for b, x in enumerate(bufs):
+                name = f"hvdtrain.plan.{kind}.{b}"
+                if kind == "allgather":
+                    hvd.allgather(x, name=name)
+                else:
+                    getattr(hvd, kind)(x, name=name, op=hvd.Average)
+            if i:
+                times.append(time.perf_counter() - start)
+        out[kind] = statistics.median(times)
+    out["total"] = sum(out.values())
     return out

@@ -105,6 +105,11 @@ class GradReducer:
         self.set_codec(str(state["codec"]))
         self.residuals = {int(k): v for k, v in dict(state["residuals"]).items()}  # type: ignore[arg-type]
 
+    def adopt_hooks(self, handles: list) -> None:
+        """Hooks other gradient features registered (the noise-scale meter): detached with ours, on
+        every exit path of `fit`."""
+        self._hooks.extend(handles)
+
     def remove(self) -> None:
         """Detach the hooks (so a model can be trained again with a new reducer)."""
         for h in self._hooks:

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from hvdtrain import adaptive
 from hvdtrain.activations import checkpoint_blocks
 from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
-from hvdtrain.errors import TrainingStopped
+from hvdtrain.errors import CheckpointError, TrainingStopped
 from hvdtrain.memprof import MemoryProfiler, nvtx_range
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
@@ -123,7 +124,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
 
 def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: GradReducer,
                           sampler: ShardedBatchSampler, ckpt: Checkpointer, config: dict[str, Any],
-                          precision: Precision) -> tuple[int, str | None]:
+                          precision: Precision, ctl: Any = None) -> tuple[int, str | None]:
     state = ckpt.restore(config)
     if state is None:
         # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
@@ -131,10 +132,16 @@ def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reduce
         # applies weight decay and advances Adam's counter (horovod#2805).
         world.broadcast_parameters(model.state_dict())
         return 0, None
+    if "zero_param_groups" in state["optimizer"] and not isinstance(reducer, ZeroReducer):
+        # Same verdict on every rank: restore() hands all ranks the same checkpoint.
+        raise CheckpointError(f"{state['path']} holds ZeRO-sharded optimizer state; resume it with "
+                              "memory.zero_stage=1 or 2 (it re-shards to any world size)")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
     precision.load_state_dict(state.get("precision", {}))
+    if ctl is not None:
+        ctl.load_state_dict(state["adaptive"])
     if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
         reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
     elif "reducer" in state["rank"]:
@@ -218,13 +225,17 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
         clip = cfg.optim.clip_grad_norm
     ckpt = Checkpointer(cfg.checkpoint, world)
     precision, memprof = Precision.from_config(cfg.memory, world.device), MemoryProfiler(world, cfg, model, optimizer)
+    ctl = adaptive.build(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, train_step)
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
-    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(), precision)
+    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(),
+                      precision, ctl)
     step, resumed = elastic.begin(restore) if elastic else restore()
-    total = sampler.steps_per_epoch * tc.epochs
+    # The starting global batch: adaptive runs count progress and scale the lr against it.
+    base = ctl.base if ctl else sampler.global_batch
+    total = sampler.num_samples // base * tc.epochs
     total = min(total, tc.max_steps) if tc.max_steps else total
     # ranks x accumulation in a fixed world; an elastic run keeps its first world's global batch and lr.
-    schedule = LRSchedule(optimizer, cfg.optim, sampler.global_batch // tc.batch_size, 1, total)
+    schedule = LRSchedule(optimizer, cfg.optim, base // tc.batch_size, 1, total)
     log = TrainLog(world, cfg.log, total, step)
     log.event(step, "start", world_size=world.size, global_batch=sampler.global_batch, steps=total,
               lr_factor=schedule.factor, resumed_from=resumed)
@@ -233,17 +244,19 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     result = FitResult(step=step, epoch=sampler.epoch, history=log.run.history, checkpoint=resumed)
     step_seconds, skips_in_a_row = None, 0
     for epoch in range(sampler.epoch, tc.epochs):
-        if step >= total:
+        if (ctl.progress if ctl else step) >= total:
             break
         sampler.set_epoch(epoch)
-        for micro_batches in _groups(train_loader(train_set, sampler), sampler.accumulation):
-            lr = schedule.apply(step)
+        steps = ctl.batches() if ctl else _groups(train_loader(train_set, sampler), sampler.accumulation)
+        for micro_batches in steps:
+            lr = ctl.apply_lr(schedule) if ctl else schedule.apply(step)
             _choose_codec(world, reducer, auto, log, step, step_seconds)
             started = time.perf_counter()
+            step_fn = ctl.train_step if ctl else train_step
             with memprof.step(step):
-                finite = train_step(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
-                                    world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
-                                    sampler.global_batch / world.size, precision)
+                finite = step_fn(model, optimizer, reducer, micro_batches, loss_fn, log.sums, clip,
+                                 world.device, lambda phase, c, s=step: watchdog.beat(phase, s, c),
+                                 sampler.global_batch / world.size, precision)
             step_seconds = time.perf_counter() - started
             step += 1
             skips_in_a_row = 0 if finite else skips_in_a_row + 1
@@ -253,18 +266,22 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                           **precision.report())
                 _check_skips(skips_in_a_row, tc.stop_after_skips, step)
             watchdog.beat("metrics allreduce (hvdtrain.train), evaluation or checkpoint", step, collective=True)
-            sampler.advance(sampler.global_batch)
-            done, end_of_epoch = step >= total, sampler.epoch_done
+            samples = sampler.global_batch
+            sampler.advance(samples)
+            if ctl:
+                ctl.after_step(step, log)  # a new batch size takes effect from the next step
+            done, end_of_epoch = (ctl.progress if ctl else step) >= total, sampler.epoch_done
             if end_of_epoch:
                 sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
-            log.train_step_done(step, sampler.global_batch, done or end_of_epoch, lr=lr, epoch=epoch)
+            log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
             memprof.record(step, log, step % cfg.log.every == 0 or done or end_of_epoch)
             if eval_set is not None and (step % tc.eval_every == 0 if tc.eval_every else end_of_epoch or done):
                 result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
                 log.evaluated(step, epoch, tc.epochs, result.eval)
             if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "sampler": sampler.state_dict(), "precision": precision.state_dict()}
+                         "sampler": sampler.state_dict(), "precision": precision.state_dict(),
+                         **({"adaptive": ctl.state_dict()} if ctl else {})}
                 result.checkpoint = str(ckpt.save(step, state, cfg.to_dict(), {"reducer": reducer.state_dict()}))
             if elastic:
                 elastic.step_done(step, done)

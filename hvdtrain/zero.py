@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.compression import make_codec
+from hvdtrain.compression import make_codec, reducescatter_finish, reducescatter_launch
 from hvdtrain.errors import CheckpointError, ConfigError
 from hvdtrain.world import World, _import_horovod
 
@@ -148,7 +148,7 @@ class ZeroReducer:
             pending = self.codec.launch(flat, name=name, want_sent=self.error_feedback)
             sent = pending.sent
         else:
-            pending, sent = _reducescatter_launch(self.codec.name, flat, self.world.size, name)
+            pending, sent = reducescatter_launch(self.codec.name, flat, self.world.size, name)
         if compensated is not None and sent is not None:
             self.residuals[b] = compensated - sent  # what this rank meant to send minus the wire's
         self._pending[b] = pending
@@ -161,7 +161,7 @@ class ZeroReducer:
                 self.full_grads[b].copy_(out)
             self.shards[b].grad = self._mine(self.full_grads[b])
         else:
-            self.shards[b].grad = _reducescatter_finish(self.codec.name, pending, self.world.size)
+            self.shards[b].grad = reducescatter_finish(self.codec.name, pending, self.world.size)
 
     def synchronize(self) -> bool:
         """Finish every bucket's reduction; True if the global gradient is finite (agreed by one
@@ -266,6 +266,11 @@ class ShardedOptimizer:
     def __init__(self, zero: ZeroReducer) -> None:
         self.zero = zero
 
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (`state`, step hooks for the memory profiler, `defaults`) is the shard
+        # optimizer's: its step runs inside `step()`, over this rank's slices and their gradients.
+        return getattr(self.zero.optimizer, name)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.zero.optimizer.param_groups
@@ -299,30 +304,3 @@ def _bucketize(named: list[tuple[str, nn.Parameter]], cap_bytes: int, n: int) ->
     for b in buckets:
         b["numel"] = -(-b["numel"] // n) * n  # equal shards on every rank
     return buckets
-
-
-def _reducescatter_launch(codec: str, flat: torch.Tensor, n: int, name: str) -> tuple[Any, torch.Tensor | None]:
-    """Start an averaging reduce-scatter of a padded fp32 bucket; returns (pending, what the wire
-    carries for this rank in fp32, or None if exact)."""
-    hvd = _import_horovod()
-    if codec == "none":
-        return ("none", hvd.reducescatter_async(flat, op=hvd.Average, name=name)), None
-    if codec == "fp16":
-        # Divide in fp32 before the cast, as the fp16 allreduce codec does: partial sums cannot overflow.
-        half = flat.div_(n).half()
-        return ("fp16", hvd.reducescatter_async(half, op=hvd.Sum, name=name)), half.float() * n
-    # bf16: Horovod has no bf16 type; the bits travel as int16 and each rank sums its chunks in fp32.
-    low = flat.bfloat16()
-    return ("bf16", hvd.alltoall_async(low.view(torch.int16), name=name + ".a2a")), low.float()
-
-
-def _reducescatter_finish(codec: str, pending: tuple[str, Any], n: int) -> torch.Tensor:
-    hvd = _import_horovod()
-    kind, handle = pending
-    out = hvd.synchronize(handle)
-    if kind == "none":
-        return out
-    if kind == "fp16":
-        return out.float()
-    chunks = out[0].view(torch.bfloat16).view(n, -1).float()
-    return (chunks.sum(dim=0) / n).bfloat16().float()  # rounded like the bf16 allreduce codec's mean

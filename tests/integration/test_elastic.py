@@ -14,17 +14,17 @@ from pathlib import Path
 import psutil
 from launch import BIN, ROOT, env, rank_tails, run, untag
 
-CLI = str(BIN / "hvdtrain")
+SCRIPT = str(Path(__file__).parent / "scripts" / "elastic_digits.py")
 DISCOVER = str(ROOT / "scripts" / "discover_hosts.sh")
 # digits with a larger eval split (539 samples: one sample is 0.19 points), global batch 96, 4 epochs.
-SETS = ["train.epochs=4", "data.val_fraction=0.3", "elastic.trace_samples=true", "elastic.commit_every=4",
-        "log.progress=false", "log.tensorboard=false", "checkpoint.every=1000"]
+SETS = ["train.epochs=4", "data.val_fraction=0.3", "elastic.enabled=true", "elastic.trace_samples=true",
+        "elastic.commit_every=4", "log.progress=false", "log.tensorboard=false", "checkpoint.every=1000"]
 TIMEOUT = 240
 
 
-def _args(out: Path, *sets: str) -> list[str]:
-    return [CLI, "train", "--elastic", "--config", "configs/digits.yaml", "--out", str(out),
-            *[a for kv in [*SETS, *sets] for a in ("--set", kv)]]
+def _args(out: Path, delay: float, *sets: str) -> list[str]:
+    sets = (*SETS, f"log.dir={out}", f"checkpoint.dir={out}/checkpoints", *sets)
+    return ["python", SCRIPT, str(delay), *[a for kv in sets for a in ("--set", kv)]]
 
 
 def _trace(out: Path) -> dict[int, dict]:
@@ -38,7 +38,7 @@ def _worker_on(host: str, launcher: int) -> psutil.Process | None:
     for p in psutil.Process(launcher).children(recursive=True):
         with contextlib.suppress(psutil.Error):
             on_host = p.environ().get("HOROVOD_HOSTNAME") == host
-            if on_host and "train" in p.cmdline() and Path(p.exe()).name.startswith("python"):
+            if on_host and SCRIPT in p.cmdline() and Path(p.exe()).name.startswith("python"):
                 return p
     return None
 
@@ -54,6 +54,17 @@ def _wait(proc: subprocess.Popen, out: Path, what: str, ok, deadline: float) -> 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _spans(sizes: list[int]) -> str:
+    """World size by runs of steps: [3, 3, 2, 2, 3] -> '3 (1-2), 2 (3-4), 3 (5-5)'."""
+    spans: list[list[int]] = []
+    for step, size in enumerate(sizes, 1):
+        if spans and spans[-1][0] == size:
+            spans[-1][2] = step
+        else:
+            spans.append([size, step, step])
+    return ", ".join(f"{n} ({a}-{b})" for n, a, b in spans)
+
+
 def _accuracy(output: str) -> float:
     m = re.search(r"done: step \d+, eval loss [\d.]+ accuracy ([\d.]+)", untag(output))
     assert m, output[-3000:]
@@ -67,7 +78,7 @@ def _disturbed_run(tmp_path: Path) -> tuple[str, dict[int, dict], float]:
     # Two names for this machine: Horovod blacklists a failed worker's host, and a job whose every
     # host is blacklisted stops. The cooldown lets 127.0.0.1 rejoin once the discovery lists it again.
     cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", f"{DISCOVER} {hosts}", "--blacklist-cooldown-range", "1", "2", *_args(out)]
+           "--host-discovery-script", f"{DISCOVER} {hosts}", "--blacklist-cooldown-range", "1", "2", *_args(out, 0.05)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
                             start_new_session=True)
     started = time.monotonic()
@@ -79,9 +90,12 @@ def _disturbed_run(tmp_path: Path) -> tuple[str, dict[int, dict], float]:
         assert victim is not None, "no worker runs on 127.0.0.1"
         hosts.write_text("localhost:2\n")  # the host is gone...
         victim.send_signal(signal.SIGKILL)
+        victim.wait(30)
+        # ...and comes back. Horovod blacklists it when the survivors have re-formed (so the next
+        # world has 2 ranks), and lets it rejoin after the cooldown.
+        hosts.write_text("localhost:2\n127.0.0.1:1\n")
         _wait(proc, out, "a step at 2 ranks", lambda t: any(r["world_size"] == 2 for r in t.values()), deadline)
         shrunk = time.monotonic()
-        hosts.write_text("localhost:2\n127.0.0.1:1\n")  # ...and comes back
         output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except (AssertionError, subprocess.TimeoutExpired) as exc:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -97,11 +111,12 @@ def test_worker_lost_and_back_trains_every_sample_once_and_matches_undisturbed(t
     output, trace, accuracy = _disturbed_run(tmp_path)
     # The reference: one process, the same global batch (32 x 3 micro-batches), no launcher.
     reference = tmp_path / "reference"
-    ref_out = run(_args(reference, "train.accumulation=3"), timeout=TIMEOUT).stdout
+    ref_out = run(_args(reference, 0.0, "train.accumulation=3"), timeout=TIMEOUT).stdout
     expected = _trace(reference)
     assert "hvdtrain: 3 rank(s), global batch 96" in untag(output)
     assert sorted(trace) == sorted(expected) == list(range(1, len(expected) + 1))
     sizes = [trace[s]["world_size"] for s in sorted(trace)]
+    print("world size by step:", _spans(sizes), f"resets {trace[len(trace)]['resets']}")
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # shrank, then grew back
     assert trace[len(trace)]["resets"] >= 2
     for step, record in trace.items():

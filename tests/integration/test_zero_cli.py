@@ -1,5 +1,7 @@
 """ZeRO through the CLI: a sharded checkpoint written by two ranks resumes on one (re-sharded)."""
 
+import json
+
 import torch
 from launch import BIN, horovodrun, run
 
@@ -32,3 +34,20 @@ def test_two_rank_zero2_checkpoint_resumes_on_one_rank(tmp_path):
     assert mine["zero"]["world_size"] == 1
     assert int(mine["optimizer"]["state"][0]["step"]) == 6  # Adam's count continued from 4
     assert torch.isfinite(torch.cat([p.reshape(-1) for p in resumed["model"].values()])).all()
+    # Without ZeRO the sharded optimizer state cannot be used: one clear line, exit 2.
+    refused = run([CLI, "train", *COMMON, "--out", str(out), "--resume", "--set", "train.batch_size=64",
+                   "--set", "train.max_steps=8"], timeout=120, check=False, split=True)
+    assert refused.returncode == 2
+    assert "holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1 or 2" in refused.stderr
+
+
+def test_plan_measure_matches_prediction_on_one_rank():
+    out = run([CLI, "plan", "--task", "pylm", "--set", "model.preset=tiny", "--set", "data.max_bytes=100000",
+               "--optimizer", "adam", "--zero-stage", "0,2", "--measure", "--steps", "2"], timeout=120).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["zero_stage"] for r in records] == [0, 2]
+    for r in records:
+        psi, m = r["params"], r["measured"]
+        assert m["params"] == r["memory"]["params"] == 4 * psi and m["grads"] == 4 * psi  # one rank: no sharding
+        assert 0 <= m["optimizer"] - 8 * psi <= 4 * 100  # Adam's moments plus one step counter per tensor
+        assert m["peak_rss"] > m["total"] and set(m["comm_s"]) >= {"total"}

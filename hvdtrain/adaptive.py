@@ -1,0 +1,289 @@
+"""Adaptive batch sizing: one controller owns micro-batch m, accumulation k, the LR factor and the
+progress τ (steps of the starting batch B0 worth of progress); global batch B = ranks·m·k.
+
+Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp64
+stats allreduce per optimizer step attempt, after the gradient buckets; on decision steps (every D
+steps after warm-up, by the step counter alone) one broadcast of rank 0's decision. An OOM on one
+rank never skips a collective: that rank zero-fills its gradients and still synchronizes, and the
+OOM flag inside the stats allreduce makes every rank skip the attempt and retry the same samples
+with a smaller m and a larger k (same B, same LR).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from hvdtrain import goodput
+from hvdtrain.config import Config
+from hvdtrain.data import ShardedBatchSampler
+from hvdtrain.errors import ConfigError, TrainingStopped
+from hvdtrain.gns import GradNormMeter, NoiseScale
+from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe
+from hvdtrain.metrics import MetricSums, TrainLog
+from hvdtrain.world import World
+
+
+def _largest_divisor(n: int, at_most: float) -> int:
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
+
+
+class _StatsReducer:
+    """The GradReducer as train_step sees it: micro-batch boundaries go to the norm meter and the
+    clock, and `synchronize` adds the stats allreduce; False means skip (non-finite or an OOM)."""
+
+    def __init__(self, ctl: AdaptiveController, inner: Any) -> None:
+        self.ctl, self.inner = ctl, inner
+
+    def arm(self, last_micro_batch: bool) -> None:
+        self.ctl._micro_batch_starts()
+        self.inner.arm(last_micro_batch)
+
+    def synchronize(self) -> bool:
+        return self.ctl._synchronize(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # codec, residuals, ... as the reducer has them
+
+
+class AdaptiveController:
+    """Owns (m, k, LR factor, τ); every change goes through it. Methods that communicate say so."""
+
+    def __init__(self, world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 reducer: Any, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: Any,
+                 step_fn: Callable[..., bool]) -> None:
+        ac, tc = cfg.adaptive, cfg.train
+        if tc.batch_size <= 0 or tc.accumulation <= 0:
+            raise ConfigError(f"train.batch_size={tc.batch_size} and train.accumulation={tc.accumulation} must be >= 1")
+        self.world, self.cfg, self.ac = world, cfg, ac
+        self.model, self.optimizer, self.sampler, self.dataset = model, optimizer, sampler, dataset
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        self.base = world.size * tc.batch_size * tc.accumulation
+        self.max_batch = min(ac.max_batch or 16 * self.base, len(dataset))  # type: ignore[arg-type]
+        if self.max_batch < self.base:
+            raise ConfigError(f"adaptive.max_batch={ac.max_batch} is below the starting global batch {self.base} "
+                              f"({world.size} ranks x {tc.batch_size} x {tc.accumulation}); raise it or set 0")
+        per_rank = tc.batch_size * tc.accumulation
+        self.min_k = 2 if world.size == 1 else 1
+        if per_rank < self.min_k:
+            raise ConfigError("adaptive batch sizing on one rank needs train.batch_size x train.accumulation >= 2 "
+                              "(the noise scale compares two micro-batches per step)")
+        self.m = tc.batch_size if tc.accumulation >= self.min_k else _largest_divisor(per_rank, per_rank / 2)
+        self.k = per_rank // self.m
+        self.cap = ac.max_micro_batch or self.max_batch // world.size
+        self.sizes = [tc.batch_size * 2**i for i in range(12)] + [max(1, tc.batch_size // 2**i) for i in range(1, 6)]
+        self.adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        self.noise = NoiseScale(ac.smoothing, self.base)
+        self.times = goodput.StepTimeModel({})
+        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
+        self.injector = FaultInjector(ac, world.rank)
+        self.meter.on_grad = self._maybe_inject_in_backward
+        self.proxy = _StatsReducer(self, reducer)
+        reducer.adopt_hooks(self.meter._hooks)
+        self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
+        self.decisions: list[list[int]] = []  # [step, m, k] of every change
+        self.last: dict[str, float] = {}
+        self._oom_here, self._clock, self._micro_seconds = False, 0.0, 0.0
+        sampler.variable = True
+        self._apply(self.m, self.k)
+
+    @property
+    def batch(self) -> int:
+        return self.world.size * self.m * self.k
+
+    @property
+    def progress(self) -> float:
+        return self.tau
+
+    def _apply(self, m: int, k: int) -> None:
+        self.m, self.k = m, k
+        self.sampler.micro_batch, self.sampler.accumulation = m, k
+        self.sampler.global_batch = self.batch
+
+    # ---- data ----
+
+    def batches(self) -> Iterator[list[Any]]:
+        """This rank's micro-batches, step by step, with the (m, k) in force at each step; runs the
+        memory probe first if it has not run. All ranks must iterate together."""
+        if not self.probed:
+            self.run_probe()
+        epoch = self.sampler.epoch
+        while self.sampler.epoch == epoch and not self.sampler.epoch_done:
+            yield self._fetch()
+
+    def _fetch(self) -> list[Any]:
+        return [default_collate([self.dataset[i] for i in idx]) for idx in self.sampler.step_indices()]
+
+    def run_probe(self) -> None:
+        """Memory probe (before step 1, and again after an elastic reset). All ranks must call."""
+        self.proxy.inner.arm(last_micro_batch=False)  # the probe's backwards must not launch collectives
+        prober = Prober(self.model, self.optimizer, self.dataset, self.loss_fn, self.world.device, self.injector)
+        limit = self.ac.max_micro_batch or self.max_batch // self.world.size
+        result = probe(self.world, self.ac, prober, self.m, limit)
+        self.cap, self.probed = result.cap, True
+        self.sizes = sorted(set(self.sizes) | set(result.seconds))
+        for m, seconds in result.seconds.items():
+            self.times.record(m, seconds, 0.0, keep=0.0)
+        per_rank = self.m * self.k
+        if self.m > self.cap or self.m < result.preferred:
+            m = _largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))
+            self._apply(m, per_rank // m)
+        self.last["probe_cap"], self.last["probe_preferred"] = self.cap, result.preferred
+
+    # ---- one optimizer step ----
+
+    def apply_lr(self, schedule: Any) -> float:
+        """Set the lr: the user's schedule at progress τ, times the factor of the current batch."""
+        phi = self.noise.phi
+        self.lr_factor = goodput.lr_factor(self.ac.lr_rule, self.adam, phi, self.batch, self.base)
+        m = schedule.multiplier(self.tau) * self.lr_factor
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * m
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Any, micro_batches: list[Any],
+                   loss_fn: Any, sums: MetricSums, *args: Any, **kwargs: Any) -> bool:
+        """The trainer's step with GNS stats and the OOM backstop; retries the same samples with a
+        smaller m after an OOM on any rank. All ranks must call."""
+        while True:
+            attempt = MetricSums()
+            self.meter.begin_step()
+            self._oom_here, self._clock, self._micro_seconds = False, 0.0, 0.0
+            try:
+                finite = self.step_fn(model, optimizer, self.proxy, micro_batches, loss_fn, attempt, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised
+                if not is_oom(exc):
+                    raise
+                exc = None  # the traceback holds the activations
+                self._oom_here = True
+                free_after_oom(model, self.world.device)
+                # Peers wait in the gradient allreduces: send zeros so they complete, then the flag.
+                finite = self.proxy.synchronize()
+                optimizer.zero_grad()
+            if not self.last.get("oom"):
+                _merge(sums, attempt)
+                return finite
+            self._shrink_after_oom()
+            micro_batches = self._fetch()
+
+    def _shrink_after_oom(self) -> None:
+        per_rank = self.m * self.k
+        if self.m == 1:
+            raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
+                                  "or more memory")
+        m = _largest_divisor(per_rank, min(self.m * self.ac.oom_shrink, self.m - 1))
+        self.ooms += 1
+        self.cap = min(self.cap, m)
+        self._apply(m, per_rank // m)  # same B, so the same LR and the same samples
+
+    def _micro_batch_starts(self) -> None:
+        now = time.perf_counter()
+        if self._clock:
+            self._micro_seconds += now - self._clock
+        self._clock = now
+        self.meter.next_micro_batch()
+        if self.injector.armed(self.m, "forward"):
+            self.injector.fire(self.m)
+
+    def _maybe_inject_in_backward(self, fired: int) -> None:
+        # Mid-backward, after the reducer may already have launched the first buckets.
+        if fired == max(1, len(self.meter.params) // 2) and self.injector.armed(self.m, "backward"):
+            self.injector.fire(self.m)
+
+    def _synchronize(self, inner: Any) -> bool:
+        """Gradient buckets, then the stats allreduce [Σ|g_j|², oom, compute s, sync s]. All ranks call."""
+        start = time.perf_counter()
+        compute = self._micro_seconds + (start - self._clock if self._clock else 0.0)
+        if self._oom_here:
+            for p in self.model.parameters():
+                p.grad = None  # zero-filled by the reducer
+        finite = inner.synchronize()
+        local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
+        self.meter.active = False
+        sync = time.perf_counter() - start
+        stats = torch.tensor([local, float(self._oom_here), compute, sync], dtype=torch.float64)
+        total = self.world.allreduce(stats, name="hvdtrain.adaptive.stats", op="sum").tolist()
+        n = self.world.size
+        self.last["oom"] = float(total[1] > 0)
+        if total[1] > 0:
+            return False
+        if finite:
+            count = n * self.k
+            self.noise.update(total[0] / count, self.meter.global_sq(), count, self.m)
+            self.times.record(self.m, total[2] / n / self.k, total[3] / n)
+        return finite
+
+    # ---- after the step ----
+
+    def after_step(self, step: int, log: TrainLog) -> None:
+        """Advance τ, log, and on decision steps take rank 0's decision. All ranks must call, right
+        after the sampler has counted the step's samples."""
+        self.injector.step = step
+        phi = self.noise.phi
+        r = goodput.gain(phi, self.batch, self.base)
+        self.tau += r if self.ac.lr_rule == "adascale" else self.batch / self.base
+        eff = r * self.base / self.batch
+        values = {"m": self.m, "k": self.k, "B": self.batch, "lr_factor": self.lr_factor, "gain": r,
+                  "gns": phi if math.isfinite(phi) else None, "efficiency": eff, "progress": self.tau,
+                  "g2": self.noise.g2.value, "trace": self.noise.trace.value, "ooms": self.ooms}
+        log.run.write(step, "adaptive", values)
+        loss = f"{log.last['loss']:.4f}" if "loss" in log.last else "-"
+        log.bar.set_postfix(loss=loss, B=self.batch, m=self.m, k=self.k, lr=f"x{self.lr_factor:.2f}",
+                            gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
+        if step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
+            self._decide(step, log)
+
+    def _decide(self, step: int, log: TrainLog) -> None:
+        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
+                             self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
+        mine = None
+        if self.world.is_root:
+            mine = goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes)
+        # Ranks' statistics can differ in the last bits: rank 0's choice holds for all.
+        m, k = self.world.broadcast_object(mine, name="hvdtrain.adaptive.decision")
+        if (m, k) != (self.m, self.k):
+            old = self.batch
+            self._apply(m, k)
+            self.decisions.append([step, m, k])
+            log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=self.noise.phi)
+            log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, "
+                          f"noise scale {self.noise.phi:.0f})")
+
+    # ---- state ----
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
+                "probed": self.probed, "ooms": self.ooms, "decisions": [list(d) for d in self.decisions],
+                "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["base"]) != self.base:
+            raise ConfigError(f"the checkpoint's starting global batch is {state['base']}, this run's is {self.base}; "
+                              "resume with the same ranks x train.batch_size x train.accumulation")
+        self.cap, self.sizes, self.tau = int(state["cap"]), [int(s) for s in state["sizes"]], float(state["tau"])
+        self.probed, self.ooms = bool(state["probed"]), int(state["ooms"])
+        self.decisions = [[int(x) for x in d] for d in state["decisions"]]
+        self.noise.load_state_dict(state["noise"])
+        self.times.load_state_dict(state["times"])
+        self._apply(int(state["m"]), int(state["k"]))
+
+
+def _merge(into: MetricSums, attempt: MetricSums) -> None:
+    for key, value in attempt.sums.items():
+        into.sums[key] = into.sums.get(key, 0) + value
+    into.samples += attempt.samples
+
+
+def build(world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Any,
+          sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: Any,
+          step_fn: Callable[..., bool]) -> AdaptiveController | None:
+    """The controller when `cfg.adaptive.enabled`, else None (the loop then runs as before)."""
+    if not cfg.adaptive.enabled:
+        return None
+    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, dataset, loss_fn, step_fn)

@@ -1,0 +1,163 @@
+"""`hvdtrain bench adaptive`: training time to a target held-out loss, adaptive batch sizing against
+fixed batches from small to large, each fixed batch with its own best lr from a small grid.
+
+Run under horovodrun; rank 0 prints one JSON line per run and one summary line per task. The lr grid
+is searched on the first seed only (the best lr per batch is then reused for the other seeds); the
+adaptive run starts from the smallest batch (the "user's" batch) with that batch's best lr.
+
+Time is wall-clock from the first training-mode forward (so the adaptive run's memory probe counts)
+to the evaluation that first reaches the target, minus the time spent evaluating. After each
+evaluation every rank allreduces the held-out loss (a named collective at the same point on all
+ranks) and all stop together once it is at or below the target, or the time budget is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+# Per task: (per-rank micro-batches of the fixed runs, smallest first; lr grid; target eval loss; overrides).
+TASKS: dict[str, dict[str, Any]] = {
+    "pylm": {"batches": [4, 16, 64], "lrs": [1e-3, 3e-3, 1e-2], "target": 2.6,
+             "set": ["model.preset=tiny", "data.max_bytes=1000000", "data.val_fraction=0.05", "optim.name=adam"]},
+    "digits": {"batches": [4, 16, 64], "lrs": [0.02, 0.05, 0.1], "target": 0.15,
+               "set": ["optim.name=sgd", "optim.momentum=0.9", "model.width=16"]},
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tasks", default="pylm,digits", help=f"comma-separated: {', '.join(TASKS)}")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (the lr grid uses the first)")
+    p.add_argument("--budget-s", type=float, default=20.0, help="training seconds per run before giving up")
+    p.add_argument("--eval-samples", type=int, default=256, help="training samples between evaluations")
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Watch:
+    """loss_fn wrapper: clocks training, excludes evaluation, and stops all ranks at the target."""
+
+    def __init__(self, world: Any, loss_fn: Any, target: float, budget: float) -> None:
+        self.world, self.loss_fn, self.target, self.budget = world, loss_fn, target, budget
+        self.start = self.eval_started = None
+        self.eval_seconds, self.sums, self.evals = 0.0, [0.0, 0.0], 0
+        self.result: dict[str, Any] = {}
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        now = time.perf_counter()
+        if model.training:
+            self.start = self.start or now
+            if self.eval_started is not None:
+                self._after_eval(now)
+        elif self.eval_started is None:
+            self.eval_started = now
+        loss, sums = self.loss_fn(model, batch)
+        if not model.training:
+            n = len(batch[1])
+            self.sums[0] += float(loss) * n
+            self.sums[1] += n
+        return loss, sums
+
+    def _after_eval(self, now: float) -> None:
+        import torch
+
+        total = self.world.allreduce(torch.tensor(self.sums, dtype=torch.float64), name="bench.adaptive.eval")
+        loss = float(total[0] / total[1])
+        self.eval_seconds += time.perf_counter() - self.eval_started
+        self.eval_started, self.sums, self.evals = None, [0.0, 0.0], self.evals + 1
+        train_s = now - self.start - self.eval_seconds
+        if loss <= self.target or train_s > self.budget:
+            self.result = {"reached": loss <= self.target, "time_s": train_s, "eval_loss": loss, "evals": self.evals}
+            raise _Stop
+
+
+def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, adaptive: dict | None,
+         spec: dict, budget: float, eval_samples: int) -> dict[str, Any]:
+    from hvdtrain.config import AdaptiveConfig
+    from hvdtrain.tasks import build_task
+    from hvdtrain.trainer import fit
+
+    batch = world.size * m
+    # An adaptive run may reach B_max: evaluate often enough for that batch (evaluation time is excluded).
+    eval_batch = adaptive["max_batch"] if adaptive else batch
+    cfg = dataclasses.replace(
+        base, seed=seed,
+        train=dataclasses.replace(base.train, batch_size=m, accumulation=1, epochs=1000,
+                                  eval_every=max(1, eval_samples // eval_batch)),
+        optim=dataclasses.replace(base.optim, lr=lr, lr_scaling="none"),
+        adaptive=AdaptiveConfig(enabled=True, **adaptive) if adaptive else base.adaptive)
+    task = build_task(cfg)
+    watch = _Watch(world, task.loss_fn, spec["target"], budget)
+    result = None
+    try:
+        result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=watch)
+    except _Stop:
+        pass
+    out = {"bench": "adaptive", "task": task_name, "np": world.size, "seed": seed,
+           "mode": "adaptive" if adaptive else "fixed", "start_batch": batch, "lr": lr,
+           **(watch.result or {"reached": False, "time_s": None, "note": f"data ran out at step {result.step}"})}
+    world.print(json.dumps(out))
+    return out
+
+
+def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int) -> None:
+    from hvdtrain import config as config_mod
+
+    spec = TASKS[name]
+    base = config_mod.build(None, spec["set"] + ["log.progress=false", "log.tensorboard=false"], task=name)
+    best: dict[int, tuple[float, float]] = {}
+    runs: list[dict] = []
+    for m in spec["batches"]:  # lr grid on the first seed
+        for lr in spec["lrs"]:
+            r = _one(world, base, name, 0, m, lr, None, spec, budget, eval_samples)
+            runs.append(r)
+            t = r["time_s"] if r["reached"] else float("inf")
+            if m not in best or t < best[m][0]:
+                best[m] = (t, lr)
+    small = spec["batches"][0]
+    adaptive = {"max_batch": world.size * spec["batches"][-1], "warmup_steps": 10, "decide_every": 10,
+                "smoothing": 0.99}
+    for seed in range(seeds):
+        if seed:
+            runs += [_one(world, base, name, seed, m, best[m][1], None, spec, budget, eval_samples)
+                     for m in spec["batches"]]
+        runs.append(_one(world, base, name, seed, small, best[small][1], adaptive, spec, budget, eval_samples))
+    world.print(json.dumps(_summary(world, name, spec, runs, best)))
+
+
+def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict) -> dict[str, Any]:
+    def times(mode: str, m: int | None = None) -> list[float]:
+        sel = [r for r in runs if r["mode"] == mode and (m is None or r["start_batch"] == world.size * m)
+               and (mode == "adaptive" or r["lr"] == best[m][1])]
+        return [r["time_s"] if r["reached"] else float("inf") for r in sel]
+
+    fixed = {world.size * m: statistics.median(times("fixed", m)) for m in spec["batches"]}
+    finite = lambda t: t if t != float("inf") else None  # noqa: E731 - JSON has no infinity
+    adaptive = statistics.median(times("adaptive"))
+    best_fixed = min(fixed.values())
+    start = fixed[world.size * spec["batches"][0]]
+    return {"bench": "adaptive-summary", "task": name, "np": world.size, "target": spec["target"],
+            "median_time_s": {"adaptive": finite(adaptive), **{f"fixed_{b}": finite(t) for b, t in fixed.items()}},
+            "best_lr": {world.size * m: lr for m, (_, lr) in best.items()},
+            "adaptive_vs_best_fixed": adaptive / best_fixed, "adaptive_vs_start_batch": adaptive / start}
+
+
+def run(args: argparse.Namespace) -> int:
+    from hvdtrain.errors import ConfigError
+    from hvdtrain.world import World
+
+    names = [t for t in args.tasks.split(",") if t]
+    bad = [t for t in names if t not in TASKS]
+    if bad or args.seeds < 1:
+        raise ConfigError(f"--tasks {bad[0]!r} is not allowed; choose from {', '.join(TASKS)}" if bad
+                          else "--seeds must be >= 1")
+    world = World.init()
+    for name in names:
+        _task(world, name, args.seeds, args.budget_s, args.eval_samples)
+    return 0

@@ -1,0 +1,173 @@
+"""Gradient noise scale (McCandlish et al. 2018) from two batch sizes that data parallelism gives for free.
+
+Each rank's micro-batch gradient g_j (m samples) and the averaged gradient ḡ (all n·k micro-batches,
+count = n·k) satisfy E|g_j|² = |G|² + tr(Σ)/m and E|ḡ|² = |G|² + tr(Σ)/(m·count), with G the true
+gradient and Σ the per-sample gradient covariance. Solving the two gives unbiased estimators:
+
+    |G|²  ≈ (count·|ḡ|² − mean_j |g_j|²) / (count − 1)
+    tr(Σ) ≈ (mean_j |g_j|² − |ḡ|²) · m · count / (count − 1)
+
+Their ratio is biased, so the two are smoothed separately (bias-corrected moving averages whose
+horizon is counted in samples, not steps, so a larger batch does not shorten the memory) and the
+noise scale φ = tr(Σ)/|G|² is taken from the averages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def estimate(local_sq_mean: float, global_sq: float, count: int, micro_batch: int) -> tuple[float, float]:
+    """Unbiased (|G|², tr(Σ)) from the mean local squared norm over `count` micro-batches of
+    `micro_batch` samples and the squared norm of their average."""
+    if count < 2:
+        raise ValueError(f"the noise scale needs at least 2 micro-batches per step, got {count}")
+    g2 = (count * global_sq - local_sq_mean) / (count - 1)
+    trace = (local_sq_mean - global_sq) * micro_batch * count / (count - 1)
+    return g2, trace
+
+
+class SampleAverage:
+    """Bias-corrected exponential average with decay β per `unit` samples (so the memory is a number
+    of samples whatever the batch size)."""
+
+    def __init__(self, beta: float, unit: int) -> None:
+        self.beta, self.unit = beta, unit
+        self.total, self.weight = 0.0, 0.0
+
+    def update(self, value: float, samples: int) -> None:
+        decay = self.beta ** (samples / self.unit)
+        self.total = decay * self.total + (1 - decay) * value
+        self.weight = decay * self.weight + (1 - decay)
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight if self.weight > 0 else float("nan")
+
+    def state_dict(self) -> dict[str, float]:
+        return {"total": self.total, "weight": self.weight}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.total, self.weight = float(state["total"]), float(state["weight"])
+
+
+class NoiseScale:
+    """Smoothed |G|² and tr(Σ), and the noise scale φ = tr(Σ)/|G|²."""
+
+    def __init__(self, beta: float, unit: int) -> None:
+        self.g2, self.trace = SampleAverage(beta, unit), SampleAverage(beta, unit)
+        self.updates = 0
+
+    def update(self, local_sq_mean: float, global_sq: float, count: int, micro_batch: int) -> None:
+        g2, trace = estimate(local_sq_mean, global_sq, count, micro_batch)
+        samples = count * micro_batch
+        self.g2.update(g2, samples)
+        self.trace.update(trace, samples)
+        self.updates += 1
+
+    @property
+    def phi(self) -> float:
+        """Noise scale in samples; inf while the gradient estimate is noise-dominated (|G|² ≤ 0)."""
+        g2, trace = self.g2.value, self.trace.value
+        if self.updates == 0 or math.isnan(g2):
+            return float("nan")
+        if g2 <= 0:
+            return float("inf")
+        return max(trace, 0.0) / g2
+
+    def state_dict(self) -> dict[str, object]:
+        return {"g2": self.g2.state_dict(), "trace": self.trace.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.g2.load_state_dict(state["g2"])  # type: ignore[arg-type]
+        self.trace.load_state_dict(state["trace"])  # type: ignore[arg-type]
+        self.updates = int(state["updates"])  # type: ignore[arg-type]
+
+
+class GradNormMeter:
+    """Sums each micro-batch's local squared gradient norm with tensor hooks.
+
+    `p.register_hook` fires once per backward with that backward's gradient, before it is added to
+    `.grad` (the reducer's post-accumulate hooks see the running sum instead), so each micro-batch is
+    measured on its own. Totals stay tensors (no host sync) until `local_sum`. With an Adam-family
+    optimizer the gradients are divided by sqrt(v̂) + ε first, the geometry the optimizer steps in.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 precondition: bool) -> None:
+        seen: set[int] = set()
+        self.params = [p for p in params if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self.optimizer = optimizer
+        self.precondition = precondition and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        self.scale: dict[int, torch.Tensor] = {}
+        self.active = False
+        self.on_grad = None  # testing: called with the number of hooks fired in this micro-batch
+        self._fired = 0
+        self._current: torch.Tensor | None = None
+        self._micro: list[torch.Tensor] = []
+        self._hooks = [p.register_hook(self._hook(p)) for p in self.params]
+
+    def _hook(self, p: nn.Parameter):
+        def hook(grad: torch.Tensor) -> None:
+            if not self.active:
+                return
+            self._fired += 1
+            if self.on_grad is not None:
+                self.on_grad(self._fired)
+            g = grad.detach().double()
+            if id(p) in self.scale:
+                g = g * self.scale[id(p)]
+            sq = g.pow(2).sum()
+            self._current = sq if self._current is None else self._current + sq
+        return hook
+
+    def begin_step(self) -> None:
+        """Before a step's first micro-batch: freeze this step's preconditioner, clear the totals."""
+        self.scale = self._preconditioner() if self.precondition else {}
+        self._micro, self._current, self._fired, self.active = [], None, 0, True
+
+    def next_micro_batch(self) -> None:
+        """Close the running micro-batch (if any) before the next backward."""
+        if self._current is not None:
+            self._micro.append(self._current)
+        self._current, self._fired = None, 0
+
+    def local_sum(self, grad_scale: float) -> float:
+        """Σ_j |g_j|² over this step's micro-batches; each hook saw g_j · grad_scale (the 1/k of
+        accumulation), which is undone here."""
+        self.next_micro_batch()
+        self.active = False
+        if not self._micro:
+            return 0.0
+        return float(torch.stack(self._micro).sum()) / grad_scale**2
+
+    def global_sq(self) -> float:
+        """|ḡ|² of the averaged gradient now in `.grad`, in the same (preconditioned) geometry."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                g = p.grad.detach().double()
+                total += (g * self.scale[id(p)] if id(p) in self.scale else g).pow(2).sum().cpu()
+        return float(total)
+
+    def _preconditioner(self) -> dict[int, torch.Tensor]:
+        out = {}
+        beta2 = self.optimizer.param_groups[0]["betas"][1]
+        eps = self.optimizer.param_groups[0]["eps"]
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            if "exp_avg_sq" not in state:
+                continue
+            step = float(state["step"])
+            v_hat = state["exp_avg_sq"].double() / (1 - beta2 ** step)
+            out[id(p)] = 1.0 / (v_hat.sqrt() + eps)
+        # All or nothing: a mix of raw and preconditioned parameters measures neither geometry.
+        return out if len(out) == len(self.params) else {}
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

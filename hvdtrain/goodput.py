@@ -1,0 +1,121 @@
+"""Batch-size decisions from the noise scale and a throughput model (pure functions, no collectives).
+
+Statistical efficiency of a global batch B relative to the starting batch B0 is
+E(B) = (φ + B0)/(φ + B) with φ the noise scale; AdaScale's gain r = (1 + φ/B0)/(1 + φ/B) = E·B/B0 is
+how many B0-steps of progress one step at B is worth. Goodput = (B / step time) · E(B); the step time
+of k micro-batches of m samples is modelled as k·(α + β·m) + t_sync from measured timings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def gain(phi: float, batch: int, base: int) -> float:
+    """AdaScale gain r ∈ [1, B/B0]; before any estimate (nan) 1, when noise dominates (inf) B/B0."""
+    if math.isnan(phi):
+        return 1.0
+    if math.isinf(phi):
+        return batch / base
+    r = (1 + phi / base) / (1 + phi / batch)
+    return min(max(r, 1.0), batch / base)
+
+
+def efficiency(phi: float, batch: int, base: int) -> float:
+    return gain(phi, batch, base) * base / batch
+
+
+def lr_factor(rule: str, adam: bool, phi: float, batch: int, base: int) -> float:
+    """LR multiplier on top of the user's schedule for global batch `batch`."""
+    if rule == "adascale":
+        r = gain(phi, batch, base)
+        return math.sqrt(r) if adam else r
+    return {"linear": batch / base, "sqrt": math.sqrt(batch / base), "none": 1.0}[rule]
+
+
+@dataclass
+class StepTimeModel:
+    """Per-micro-batch seconds by m (smoothed) and the sync time; least-squares fit of α + β·m."""
+
+    micro: dict[int, float]
+    sync: float = 0.0
+
+    def record(self, m: int, per_micro: float, sync: float, keep: float = 0.8) -> None:
+        old = self.micro.get(m)
+        self.micro[m] = per_micro if old is None else keep * old + (1 - keep) * per_micro
+        self.sync = sync if self.sync == 0.0 else keep * self.sync + (1 - keep) * sync
+
+    def fit(self) -> tuple[float, float]:
+        ms = sorted(self.micro)
+        if not ms:
+            return 0.0, 1.0
+        if len(ms) == 1:
+            return 0.0, self.micro[ms[0]] / ms[0]  # one size seen: assume time proportional to m
+        mean_m = sum(ms) / len(ms)
+        mean_t = sum(self.micro[m] for m in ms) / len(ms)
+        var = sum((m - mean_m) ** 2 for m in ms)
+        beta = max(sum((m - mean_m) * (self.micro[m] - mean_t) for m in ms) / var, 1e-12)
+        return max(mean_t - beta * mean_m, 0.0), beta
+
+    def step_time(self, m: int, k: int) -> float:
+        alpha, beta = self.fit()
+        return k * (alpha + beta * m) + self.sync
+
+    def state_dict(self) -> dict[str, object]:
+        return {"micro": [[m, t] for m, t in sorted(self.micro.items())], "sync": self.sync}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.micro = {int(m): float(t) for m, t in state["micro"]}  # type: ignore[union-attr]
+        self.sync = float(state["sync"])  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Limits:
+    ranks: int
+    base: int  # B0
+    max_batch: int  # B_max
+    cap: int  # largest micro-batch that fits
+    min_k: int  # 2 with one rank (the noise scale needs two micro-batches per step)
+    hysteresis: float
+    max_growth: float
+    theta: float  # norm test; 0 = off
+
+
+def candidates(lim: Limits, sizes: list[int]) -> list[tuple[int, int]]:
+    """(m, k) with m in `sizes` (≤ cap), k ≥ min_k, B0 ≤ n·m·k ≤ B_max."""
+    out = []
+    for m in sorted({s for s in sizes if 1 <= s <= lim.cap}):
+        for k in range(lim.min_k, lim.max_batch // (lim.ranks * m) + 1):
+            if lim.ranks * m * k >= lim.base:
+                out.append((m, k))
+    return out
+
+
+def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, int],
+           sizes: list[int]) -> tuple[int, int]:
+    """The (m, k) to use next: best goodput within the growth window and above the norm-test floor;
+    the current one unless the gain beats the hysteresis (or the current batch is under the floor)."""
+    if math.isnan(phi):
+        return current
+    b_now = lim.ranks * current[0] * current[1]
+
+    def batch(c: tuple[int, int]) -> int:
+        return lim.ranks * c[0] * c[1]
+
+    def goodput(c: tuple[int, int]) -> float:
+        return batch(c) / model.step_time(*c) * efficiency(phi, batch(c), lim.base)
+
+    window = [c for c in candidates(lim, sizes)
+              if b_now / lim.max_growth <= batch(c) <= b_now * lim.max_growth]
+    if not window:
+        return current
+    floor = phi / lim.theta**2 if lim.theta > 0 else 0.0
+    floor = min(floor, max(batch(c) for c in window))  # the norm test can ask for more than allowed
+    allowed = [c for c in window if batch(c) >= floor]
+    best = max(allowed, key=lambda c: (goodput(c), c[0]))
+    if best == current:
+        return current
+    if b_now < floor or goodput(best) >= (1 + lim.hysteresis) * goodput(current):
+        return best
+    return current

@@ -1,0 +1,210 @@
+"""Memory: what counts as an OOM, the CPU fault-injection switch, and the probe that finds the largest
+micro-batch that fits and the smallest one that runs (almost) as fast per sample as the best.
+
+The probe runs before step 1 on every rank together: optimizer state is materialised first (a size
+found without it OOMs at the first real step), memory is measured at two micro-batch sizes and
+fitted as mem(m) = a + c·m, the predicted largest m (less a safety margin) is verified with a real
+step and bisected on failure. Ranks agree with a MIN allreduce. On GPU memory is the allocator's
+peak and an OOM is real; on CPU it is what the step holds (parameters, gradients, optimizer state and
+the tensors autograd saves for backward) against a budget, and the injection switch raises a real
+`torch.OutOfMemoryError` so the failure path runs on CPU too.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from hvdtrain.config import AdaptiveConfig
+from hvdtrain.world import World
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A CUDA OOM (torch.OutOfMemoryError) or a CPU allocator failure."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+
+
+def free_after_oom(model: nn.Module, device: torch.device) -> None:
+    """Drop gradients (the reducer sends zeros for a missing .grad) and cached blocks."""
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class FaultInjector:
+    """Testing switch: an OOM on micro-batches larger than `inject_oom_above`, on one rank or all,
+    from a given step on. `step` is set by the controller; the probe runs at step 0."""
+
+    def __init__(self, cfg: AdaptiveConfig, rank: int) -> None:
+        self.above, self.phase = cfg.inject_oom_above, cfg.inject_oom_in
+        self.here = cfg.inject_oom_above > 0 and cfg.inject_oom_rank in (-1, rank)
+        self.from_step, self.step = cfg.inject_oom_step, 0
+        self.raised = 0
+
+    def armed(self, micro_batch: int, phase: str) -> bool:
+        return self.here and phase == self.phase and micro_batch > self.above and self.step >= self.from_step
+
+    def fire(self, micro_batch: int) -> None:
+        self.raised += 1
+        raise torch.OutOfMemoryError(f"injected OOM: micro-batch {micro_batch} > adaptive.inject_oom_above="
+                                     f"{self.above} at step {self.step}")
+
+
+@dataclass
+class ProbeResult:
+    cap: int  # largest micro-batch that fits (verified), agreed across ranks
+    preferred: int  # smallest probed m within 5% of the best per-sample throughput
+    seconds: dict[int, float]  # forward+backward seconds per micro-batch, by m (this rank)
+
+
+class _Measure:
+    """Bytes a step holds: allocator peak on GPU; on CPU, model state plus the tensors autograd saves."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.model, self.optimizer, self.cuda = model, optimizer, device.type == "cuda"
+        self.saved: dict[int, int] = {}
+
+    def _pack(self, x: torch.Tensor) -> torch.Tensor:
+        storage = x.untyped_storage()
+        self.saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    def run(self, fn: Callable[[], None]) -> int:
+        self.saved.clear()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x):
+            fn()
+        return self._state_bytes() + sum(self.saved.values())
+
+    def _state_bytes(self) -> int:
+        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def budget_bytes(cfg: AdaptiveConfig, device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(cfg.memory_fraction * torch.cuda.get_device_properties(device).total_memory)
+    if cfg.memory_budget_mb:
+        return int(cfg.memory_budget_mb * 2**20)
+    import psutil
+
+    return int(cfg.memory_fraction * psutil.virtual_memory().available)
+
+
+class Prober:
+    """Runs probe steps outside training: the caller has disarmed the reducer's collectives."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, loss_fn: Any,
+                 device: torch.device, injector: FaultInjector) -> None:
+        self.model, self.optimizer, self.dataset = model, optimizer, dataset
+        self.loss_fn, self.device, self.injector = loss_fn, device, injector
+        self.measure = _Measure(model, optimizer, device)
+        self.seconds: dict[int, float] = {}
+
+    def _batch(self, m: int) -> Any:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        from hvdtrain.trainer import _to_device
+
+        return _to_device(default_collate([self.dataset[i % n] for i in range(m)]), self.device)
+
+    def step(self, m: int, update: bool = False) -> int | None:
+        """Bytes one forward+backward of m samples holds, or None on an OOM (real or injected)."""
+        batch = self._batch(m)
+
+        def fn() -> None:
+            if self.injector.armed(m, "forward") or self.injector.armed(m, "backward"):
+                self.injector.fire(m)
+            loss, _ = self.loss_fn(self.model, batch)
+            loss.backward()
+
+        try:
+            start = time.perf_counter()
+            used = self.measure.run(fn)
+            self.seconds[m] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - only OOMs are expected here
+            if not is_oom(exc):
+                raise
+            exc = None
+            free_after_oom(self.model, self.device)
+            return None
+        if update:
+            self.optimizer.step()  # materialises optimizer state before anything is measured
+        self.optimizer.zero_grad()
+        return used
+
+    def largest(self, start: int, limit: int, budget: int, margin: float) -> int:
+        """Fit mem(m) = a + c·m at two sizes, predict, verify, bisect on failure."""
+        self.step(min(start, limit), update=True)
+        m1, m2 = min(start, limit), min(2 * start, limit)
+        b1 = self.step(m1)
+        if b1 is None:
+            return self._bisect(0, m1)
+        b2 = self.step(m2) if m2 > m1 else None
+        if m2 == m1 or b2 is None:
+            return m1 if m2 == m1 else self._bisect(m1, m2)
+        c = max((b2 - b1) / (m2 - m1), 1.0)
+        predicted = int((budget * (1 - margin) - (b1 - c * m1)) / c)
+        guess = max(m1, min(limit, predicted))
+        if guess == m2 or self.step(guess) is not None:
+            return guess
+        return self._bisect(m2, guess)
+
+    def _bisect(self, good: int, bad: int) -> int:
+        """Largest m in (good, bad) that runs; `good` is known to fit (0: none yet)."""
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if self.step(mid) is None:
+                bad = mid
+            else:
+                good = mid
+        return max(good, 1)
+
+    def preferred(self, cap: int, start: int) -> int:
+        """Smallest m within 5% of the best per-sample time among start·2^i ≤ cap and cap."""
+        sizes = sorted({min(cap, start * 2**i) for i in range(8)})
+        for m in sizes:
+            self.step(m)  # once to warm up, once timed
+            self.step(m)
+        per_sample = {m: self.seconds[m] / m for m in sizes if m in self.seconds}
+        best = min(per_sample.values())
+        return min(m for m, t in per_sample.items() if t <= best * 1.05)
+
+
+def probe(world: World, cfg: AdaptiveConfig, prober: Prober, start: int, limit: int) -> ProbeResult:
+    """Run the probe on every rank and agree on the smallest cap (MIN). All ranks must call."""
+    from hvdtrain.checkpoint import rng_state, set_rng_state
+
+    model, optimizer = prober.model, prober.optimizer
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), rng_state())
+    try:
+        cap = prober.largest(start, limit, budget_bytes(cfg, prober.device), cfg.probe_margin)
+        cap = int(world.allreduce(torch.tensor([cap], dtype=torch.float64), "hvdtrain.adaptive.probe.cap", "min"))
+        preferred = prober.preferred(cap, min(start, cap))
+    finally:
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        set_rng_state(saved[2])
+        optimizer.zero_grad()
+    # Timings differ per rank: rank 0's choice holds for all.
+    preferred = int(world.broadcast_object(preferred, name="hvdtrain.adaptive.probe.preferred"))
+    return ProbeResult(cap, min(preferred, cap), dict(prober.seconds))

@@ -1,0 +1,152 @@
+"""Adaptive batch sizing under horovodrun at any world size (and plainly, as size 1)."""
+
+import dataclasses
+
+import torch
+from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
+from torch.utils.data import Dataset
+
+import hvdtrain
+from hvdtrain.config import AdaptiveConfig, CheckpointConfig
+from hvdtrain.memprobe import FaultInjector, Prober, probe
+from hvdtrain.tasks import classification_loss
+
+
+class Indexed(Dataset):
+    """blobs() whose samples also carry their index, so tests can see which samples each step used."""
+
+    def __init__(self, n):
+        self.data = blobs(n=n)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x, y, i
+
+
+def recording_loss(log):
+    def loss_fn(model, batch):
+        x, y, idx = batch
+        log.append(idx.tolist())
+        return classification_loss(model, (x, y))
+    return loss_fn
+
+
+def adaptive_config(batch_size=8, accumulation=2, epochs=1, **adaptive):
+    cfg = small_config(epochs=epochs, batch_size=batch_size, accumulation=accumulation, shuffle=True)
+    base = {"enabled": True, "probe": False, "warmup_steps": 10**6}
+    # lr for the global batch itself, so splitting it differently keeps the same lr
+    optim = dataclasses.replace(cfg.optim, lr_scaling="none", lr=0.2)
+    return dataclasses.replace(cfg, optim=optim, adaptive=AdaptiveConfig(**{**base, **adaptive}))
+
+
+def _union(world, micro_batches, name):
+    every = world.allgather_object(sorted(i for mb in micro_batches for i in mb), name=f"t.adaptive.{name}")
+    return sorted(i for r in every for i in r)
+
+
+def adaptive_records(history):
+    return [r for r in history if r["kind"] == "adaptive"]
+
+
+def test_oom_on_one_rank_retries_same_samples_with_same_batch_and_lr(world):
+    data = Indexed(192)
+    oom_step = 3
+    injected = adaptive_config(inject_oom_above=4, inject_oom_rank=world.size - 1, inject_oom_step=oom_step)
+    seen = []
+    model = mlp(seed=2)
+    result = hvdtrain.fit(world, model, None, data, injected, loss_fn=recording_loss(seen))
+    # Reference: the smaller micro-batch from the start, no fault.
+    reference_model = mlp(seed=2)
+    ref_seen = []
+    reference = hvdtrain.fit(world, reference_model, None, data, adaptive_config(batch_size=4, accumulation=4),
+                             loss_fn=recording_loss(ref_seen))
+    got, want = adaptive_records(result.history), adaptive_records(reference.history)
+    assert [r["ooms"] for r in got][oom_step - 1:oom_step + 1] == [0, 1]  # the step after `oom_step` hit it
+    assert [(r["m"], r["k"]) for r in got[oom_step:]] == [(4, 4)] * (len(got) - oom_step)
+    assert [r["B"] for r in got] == [r["B"] for r in want]  # the global batch never changed
+    lrs = lambda h: [r["lr"] for r in h if r["kind"] == "train"]  # noqa: E731
+    assert lrs(result.history) == lrs(reference.history)  # nor did the LR
+    # The failed attempt (size-8 micro-batches after the first oom_step steps) and the retry (the first
+    # size-4 ones) drew from the same global batch, which is the reference's batch at that step.
+    big, small = [i for i in seen if len(i) == 8], [i for i in seen if len(i) == 4]
+    failed = _union(world, big[2 * oom_step:], "failed")
+    retried = _union(world, small[:4], "retried")
+    assert failed and set(failed) <= set(retried)
+    assert retried == _union(world, ref_seen[4 * oom_step:4 * oom_step + 4], "reference")
+    assert result.step == reference.step
+    torch.testing.assert_close(flat_params(model), flat_params(reference_model), rtol=1e-5, atol=1e-6)
+
+
+def growing_config(**overrides):
+    # theta = 0.1 puts the norm-test floor at 100x the noise scale, above B_max: every decision grows
+    # the batch as far as allowed, whatever the timings, so runs are reproducible.
+    settings = {"warmup_steps": 2, "decide_every": 2, "max_batch": 16 * 4, "norm_test": 0.1, "max_micro_batch": 4,
+                "smoothing": 0.9, **overrides}
+    return adaptive_config(batch_size=2, accumulation=2, **settings)
+
+
+def test_decisions_same_step_on_every_rank_and_no_sample_lost_or_repeated(world):
+    data, seen = Indexed(160 * world.size), []
+    cfg = growing_config(max_micro_batch=0)
+    result = hvdtrain.fit(world, mlp(seed=3), None, data, cfg, loss_fn=recording_loss(seen))
+    changes = [(r["step"], r["m"], r["k"], r["new"]) for r in result.history if r.get("event") == "batch"]
+    every = world.allgather_object(changes, name="t.adaptive.decisions")
+    assert len(changes) >= 2 and all(c == changes for c in every)
+    assert changes[-1][3] > 4 * world.size  # the batch grew
+    used = _union(world, seen, "samples")
+    records = adaptive_records(result.history)
+    assert len(used) == len(set(used)) == sum(r["B"] for r in records)  # one epoch: each sample once
+    # Only a remainder smaller than the batch in force after the last step is left.
+    next_batch = changes[-1][3] if changes[-1][0] == records[-1]["step"] else records[-1]["B"]
+    assert len(data) - len(used) < next_batch
+
+
+def test_probe_agrees_on_the_smallest_cap_when_one_rank_fails_above_it(world):
+    cfg = AdaptiveConfig(enabled=True, memory_budget_mb=256, inject_oom_above=6, inject_oom_rank=world.size - 1)
+    model = mlp(seed=6)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = flat_params(model).clone()
+    prober = Prober(model, optimizer, blobs(n=64), classification_loss, world.device, FaultInjector(cfg, world.rank))
+    result = probe(world, cfg, prober, start=2, limit=32)
+    every = world.allgather_object((result.cap, result.preferred), name="t.adaptive.probe")
+    assert all(e == (6, every[0][1]) for e in every) and 1 <= result.preferred <= 6
+    assert torch.equal(flat_params(model), before) and not optimizer.state  # the probe left no trace
+
+
+def test_resume_restores_the_controller_exactly(world):
+    data, folder = blobs(n=96 * world.size), shared_tmpdir(world)
+    base = growing_config(epochs=3)
+
+    class Crash(Exception):
+        pass
+
+    def run(cfg, crash_at=None):
+        model, calls = mlp(seed=5), [0]
+
+        def loss_fn(m, batch):
+            calls[0] += 1
+            if calls[0] == crash_at:
+                raise Crash
+            return classification_loss(m, batch)
+
+        return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)
+
+    whole_model, whole = run(base)
+    stop = 5  # after two decisions, before the next
+    ck = CheckpointConfig(dir=f"{folder}/ck", every=stop)
+    try:
+        run(dataclasses.replace(base, checkpoint=ck), crash_at=40)
+    except Crash:
+        pass
+    else:
+        raise AssertionError("the run should have crashed")
+    resumed_model, resumed = run(dataclasses.replace(base, checkpoint=dataclasses.replace(ck, resume="latest")))
+    assert resumed.history[0]["resumed_from"].endswith(f"step_{stop:08d}")
+    keys = ("m", "k", "B", "progress", "g2", "trace", "lr_factor")
+    pick = lambda h: [(r["step"], *(r[k] for k in keys)) for r in adaptive_records(h)]  # noqa: E731
+    after = [r for r in pick(whole.history) if r[0] > stop]
+    assert pick(resumed.history) == after and len({r[3] for r in after}) > 1  # the batch kept changing
+    torch.testing.assert_close(flat_params(resumed_model), flat_params(whole_model), rtol=0, atol=0)

@@ -1,0 +1,191 @@
+"""Adaptive batch sizing in one process: estimators, the norm meter, decisions, settings, sampling, probe."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from helpers import blobs, mlp, small_config
+
+from hvdtrain import goodput
+from hvdtrain.adaptive import AdaptiveController
+from hvdtrain.config import AdaptiveConfig, Config, TrainConfig, build
+from hvdtrain.data import ShardedBatchSampler
+from hvdtrain.errors import ConfigError
+from hvdtrain.gns import GradNormMeter, NoiseScale, SampleAverage, estimate
+from hvdtrain.memprobe import FaultInjector, Prober, is_oom
+from hvdtrain.tasks import classification_loss
+from hvdtrain.world import World
+
+
+def fake_world(rank, size):
+    return World(rank, size, rank, size, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("count, m", [(2, 4), (8, 16)])
+def test_estimators_are_unbiased_on_synthetic_gradients(count, m):
+    # Per-sample gradients G + noise with known |G|² and tr(Σ); micro-batch means of m samples.
+    g = torch.Generator().manual_seed(count)
+    dim, trials = 50, 4000
+    true_g = torch.randn(dim, generator=g, dtype=torch.float64) * 0.3
+    stds = torch.rand(dim, generator=g, dtype=torch.float64) * 2
+    samples = true_g + stds * torch.randn(trials, count, m, dim, generator=g, dtype=torch.float64)
+    micro = samples.mean(dim=2)  # (trials, count, dim)
+    local = micro.pow(2).sum(-1).mean(-1)
+    glob = micro.mean(dim=1).pow(2).sum(-1)
+    est = [estimate(float(a), float(b), count, m) for a, b in zip(local, glob)]
+    g2s, traces = torch.tensor([e[0] for e in est]), torch.tensor([e[1] for e in est])
+    want_g2, want_trace = float(true_g.pow(2).sum()), float(stds.pow(2).sum())
+    # Unbiased: the mean of the estimates is within 4 standard errors of the truth.
+    assert abs(g2s.mean() - want_g2) < 4 * g2s.std() / math.sqrt(trials)
+    assert abs(traces.mean() - want_trace) < 4 * traces.std() / math.sqrt(trials)
+    # The naive single-replica ratio would be biased by tr(Σ)/m: the test can tell the difference.
+    assert abs(local.mean() - want_g2) > 10 * g2s.std() / math.sqrt(trials)
+
+
+def test_sample_average_is_bias_corrected_and_counts_samples():
+    a, b = SampleAverage(0.9, unit=8), SampleAverage(0.9, unit=8)
+    a.update(3.0, 8)
+    assert a.value == pytest.approx(3.0)  # one observation: no pull towards zero
+    for _ in range(4):
+        a.update(1.0, 8)
+    b.update(3.0, 8)
+    b.update(1.0, 32)  # one step of 4x the samples forgets as much as four steps
+    assert a.value == pytest.approx(b.value)
+
+
+def test_noise_scale_is_infinite_when_the_gradient_estimate_is_not_positive():
+    ns = NoiseScale(0.99, 8)
+    ns.update(local_sq_mean=2.0, global_sq=0.5, count=2, micro_batch=4)  # |G|² = (1 - 2) / 1 < 0
+    assert ns.phi == math.inf
+
+
+def test_meter_measures_each_micro_batch_before_accumulation():
+    model = mlp(seed=1)
+    data = blobs(n=24)
+    x, y = data.tensors
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter = GradNormMeter(model.parameters(), opt, precondition=True)
+    k, want = 3, 0.0
+    for j in range(k):  # reference: each micro-batch's gradient on its own
+        model.zero_grad()
+        classification_loss(model, (x[j * 8:(j + 1) * 8], y[j * 8:(j + 1) * 8]))[0].backward()
+        want += sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+    model.zero_grad()
+    meter.begin_step()
+    for j in range(k):  # as the trainer does it: accumulate loss / k
+        meter.next_micro_batch()
+        (classification_loss(model, (x[j * 8:(j + 1) * 8], y[j * 8:(j + 1) * 8]))[0] / k).backward()
+    assert meter.local_sum(1.0 / k) == pytest.approx(want, rel=1e-6)  # fp32 gradients, summed in fp64
+    meter.remove()
+
+
+def test_gain_lr_rules_and_efficiency():
+    assert goodput.gain(float("nan"), 64, 8) == 1.0
+    assert goodput.gain(float("inf"), 64, 8) == 8.0
+    r = goodput.gain(16.0, 64, 8)
+    assert r == pytest.approx((1 + 16 / 8) / (1 + 16 / 64)) and 1 <= r <= 8
+    assert goodput.lr_factor("adascale", True, 16.0, 64, 8) == pytest.approx(math.sqrt(r))
+    assert goodput.lr_factor("linear", False, 16.0, 64, 8) == 8.0
+    assert goodput.efficiency(16.0, 64, 8) == pytest.approx(r * 8 / 64)
+
+
+def limits(**kw):
+    base = {"ranks": 2, "base": 16, "max_batch": 1024, "cap": 64, "min_k": 1, "hysteresis": 0.05,
+            "max_growth": 2.0, "theta": 0.0}
+    return goodput.Limits(**{**base, **kw})
+
+
+def test_decision_grows_at_most_2x_and_follows_goodput():
+    # Fixed cost per step (sync) dominates: bigger batches pay as long as the noise scale is large.
+    times = goodput.StepTimeModel({8: 0.01}, sync=1.0)
+    m, k = goodput.decide(limits(), times, 1e6, (8, 1), [8, 16, 32, 64])
+    assert 2 * m * k == 32  # the 2x cap
+    # Tiny noise scale: no statistical benefit, stay.
+    assert goodput.decide(limits(), times, 0.01, (8, 1), [8, 16, 32, 64]) == (8, 1)
+
+
+def test_norm_test_floor_forces_growth_and_hysteresis_blocks_small_gains():
+    times = goodput.StepTimeModel({8: 1.0, 16: 2.0})  # throughput flat in m: goodput favours B0
+    assert goodput.decide(limits(), times, 100.0, (8, 1), [8, 16]) == (8, 1)
+    m, k = goodput.decide(limits(theta=1.0), times, 100.0, (8, 1), [8, 16])
+    assert 2 * m * k == 32  # floor 100 > 32, capped by the 2x growth window
+    times = goodput.StepTimeModel({8: 1.0}, sync=0.02)  # ~1% gain from amortising sync: below 5%
+    assert goodput.decide(limits(), times, 1e6, (8, 1), [8, 16]) == (8, 1)
+
+
+def test_bad_settings_give_clear_errors():
+    with pytest.raises(ConfigError, match="train.batch_size=0 must be >= 1"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="adaptive.lr_rule='cubic' is not allowed; choose one of adascale"):
+        build(overrides=["adaptive.lr_rule=cubic"])
+    with pytest.raises(ConfigError, match="adaptive.max_batch=8 is below the starting global batch"):
+        build(overrides=["adaptive.enabled=true", "adaptive.max_batch=8", "train.batch_size=16"])
+    with pytest.raises(ConfigError, match="adaptive.max_micro_batch=-1 must be >= 0"):
+        AdaptiveConfig(max_micro_batch=-1)
+    # B_max < B0 only known with the world size: the controller checks it.
+    cfg = dataclasses.replace(small_config(batch_size=4, accumulation=2),
+                              adaptive=AdaptiveConfig(enabled=True, max_batch=12))
+    sampler = ShardedBatchSampler(192, fake_world(0, 2), 4, 2)
+    model = mlp()
+    with pytest.raises(ConfigError, match=r"max_batch=12 is below the starting global batch 16 \(2 ranks x 4 x 2\)"):
+        AdaptiveController(fake_world(0, 2), cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), None, sampler,
+                           blobs(), classification_loss, lambda *a: True)
+
+
+def test_sampler_batch_changes_mid_epoch_lose_and_repeat_nothing():
+    n_samples, size = 200, 2
+    samplers = [ShardedBatchSampler(n_samples, fake_world(r, size), 2, 1, seed=3) for r in range(size)]
+    plan = [(2, 1), (2, 2), (4, 1), (3, 3), (1, 5)]  # (m, k) per step, then the last one repeated
+    used, step = [], 0
+    while not samplers[0].epoch_done:
+        m, k = plan[min(step, len(plan) - 1)]
+        for s in samplers:
+            s.variable, s.micro_batch, s.accumulation, s.global_batch = True, m, k, size * m * k
+        if samplers[0].epoch_done:
+            break
+        for s in samplers:
+            used += [i for mb in s.step_indices() for i in mb]
+            assert all(len(mb) == m for mb in s.step_indices()) and len(s.step_indices()) == k
+        for s in samplers:
+            s.advance(s.global_batch)
+        step += 1
+    assert len(used) == len(set(used)) and n_samples - len(used) < 2 * 1 * 5
+
+
+def test_step_indices_match_the_fixed_sampler():
+    s = ShardedBatchSampler(103, fake_world(1, 3), 5, 2, seed=7)
+    fixed = list(iter(s))
+    got = []
+    while not s.epoch_done:
+        got += s.step_indices()
+        s.advance(s.global_batch)
+    assert got == fixed
+
+
+def test_probe_bisects_to_the_injected_limit_and_respects_a_memory_budget():
+    cfg = AdaptiveConfig(inject_oom_above=11)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), FaultInjector(cfg, 0))
+    assert prober.largest(start=2, limit=64, budget=2**30, margin=0.1) == 11
+    assert prober.injector.raised >= 1 and opt.state  # the optimizer state was materialised first
+    free = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), FaultInjector(AdaptiveConfig(), 0))
+    at_2, at_4 = free.step(2), free.step(4)
+    budget = int((at_2 + 10 * (at_4 - at_2) / 2) / 0.9)  # room for about m = 12
+    cap = free.largest(start=2, limit=64, budget=budget, margin=0.1)
+    assert 10 <= cap <= 14 and free.step(cap) <= budget
+
+
+def test_oom_classification():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+    assert Config().adaptive.enabled is False
+
+
+def test_bench_rejects_unknown_task_before_starting(capsys):
+    from hvdtrain.cli import main
+
+    assert main(["bench", "adaptive", "--tasks", "nope"]) == 2
+    assert "--tasks 'nope' is not allowed; choose from pylm, digits" in capsys.readouterr().err
