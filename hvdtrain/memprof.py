@@ -12,6 +12,7 @@ each step through /proc/self/clear_refs) on CPU, which also counts the interpret
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,15 @@ def _proc_status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _malloc_trim() -> None:
+    # glibc keeps freed blocks for reuse, so without a trim the resident set stays at the largest
+    # earlier step and a smaller step's peak cannot show. A no-op where libc is not glibc.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class ActivationMeter:
@@ -170,6 +180,7 @@ class MemoryProfiler:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.world.device)
             return
+        _malloc_trim()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS

@@ -19,9 +19,13 @@ def with_memory(cfg, **memory):
     return dataclasses.replace(cfg, memory=MemoryConfig(**memory))
 
 
-def test_bf16_digits_accuracy_within_half_a_point_of_fp32(world, digits_baseline):
-    bf16 = train_digits(world, "memory.precision=bf16").eval["accuracy"]
-    assert bf16 >= digits_baseline - 0.005, (bf16, digits_baseline)
+def test_bf16_digits_accuracy_within_half_a_point_of_fp32(world):
+    # 5 epochs, not the 15 of the shared baseline: bf16 matmuls are emulated on CPUs without bf16
+    # instructions (~2x slower here). Measured at 1 and 2 ranks, bf16 was 0.2-0.4 points above fp32
+    # at 5 epochs and within 0.2 points at 8; one image of the 539 held out is 0.19 points.
+    fp32, bf16 = (train_digits(world, "train.epochs=5", f"memory.precision={p}").eval["accuracy"]
+                  for p in ("fp32", "bf16"))
+    assert bf16 >= fp32 - 0.005, (bf16, fp32)
 
 
 def test_fp16_overflow_skips_once_on_every_rank_and_halves_the_scale(world):

@@ -158,3 +158,14 @@ def test_activation_meter_keeps_the_largest_micro_batch():
             F.mse_loss(model(torch.randn(rows, 8)), torch.zeros(rows, 8)).backward()
     # Linear's input, Tanh's output, and the target mse_loss keeps: 3 x rows x 8 floats each time.
     assert meter.peak == 3 * 7 * 8 * 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "fp64"], "--variants 'fp64' is not allowed; choose from fp32, fp32+ckpt"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_bench_memory_rejects_bad_flags(argv, message, capsys):
+    from hvdtrain import cli
+
+    assert cli.main(["bench", "memory", *argv]) == 2
+    assert message in capsys.readouterr().err
