@@ -90,9 +90,14 @@ def _horovod_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tens
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hvd.DistributedOptimizer(build_optimizer(model, cfg.optim), named_parameters=model.named_parameters())
 
+    return _plain_step(model, optimizer, task.loss_fn)
+
+
+def _plain_step(model: Any, optimizer: Any, loss_fn: Any) -> Callable[[Any], torch.Tensor]:
+    # The loop a user writes by hand: Horovod's optimizer or DDP's hooks do the averaging inside.
     def step(batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
-        loss, _ = task.loss_fn(model, batch)
+        loss, _ = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -108,13 +113,7 @@ def _ddp_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
     model = DDP(task.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     optimizer = build_optimizer(model, cfg.optim)
 
-    def step(batch: Any) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss, _ = task.loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-    return step
+    return _plain_step(model, optimizer, task.loss_fn)
 
 
 def _batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
