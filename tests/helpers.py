@@ -53,3 +53,24 @@ def train_digits(world, *overrides: str):
                                         "log.tensorboard=false", *overrides])
     task = build_task(cfg)
     return hvdtrain.fit(world, task.model, None, task.train_set, cfg, task.eval_set, task.loss_fn)
+
+
+class Crash(Exception):
+    """Raised by `crashing_fit`'s loss: a stand-in for a job killed mid-run."""
+
+
+def crashing_fit(world, data, cfg: Config, seed: int, crash_at: int | None = None):
+    """fit() on a fresh mlp(seed); every rank raises Crash at the same micro-batch `crash_at`
+    (before any collective of that step). Returns (model, FitResult)."""
+    import hvdtrain
+    from hvdtrain.tasks import classification_loss
+
+    model, calls = mlp(seed=seed), [0]
+
+    def loss_fn(m, batch):
+        calls[0] += 1
+        if calls[0] == crash_at:
+            raise Crash
+        return classification_loss(m, batch)
+
+    return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)

@@ -3,7 +3,7 @@
 import dataclasses
 
 import torch
-from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
+from helpers import Crash, blobs, crashing_fit, flat_params, mlp, shared_tmpdir, small_config
 from torch.utils.data import Dataset
 
 import hvdtrain
@@ -120,19 +120,8 @@ def test_resume_restores_the_controller_exactly(world):
     data, folder = blobs(n=96 * world.size), shared_tmpdir(world)
     base = growing_config(epochs=3)
 
-    class Crash(Exception):
-        pass
-
     def run(cfg, crash_at=None):
-        model, calls = mlp(seed=5), [0]
-
-        def loss_fn(m, batch):
-            calls[0] += 1
-            if calls[0] == crash_at:
-                raise Crash
-            return classification_loss(m, batch)
-
-        return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)
+        return crashing_fit(world, data, cfg, seed=5, crash_at=crash_at)
 
     whole_model, whole = run(base)
     stop = 5  # after two decisions, before the next

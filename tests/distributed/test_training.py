@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
+from helpers import Crash, blobs, crashing_fit, flat_params, mlp, shared_tmpdir, small_config
 
 import hvdtrain
 from hvdtrain.config import CheckpointConfig
@@ -61,20 +61,8 @@ def test_resume_continues_loss_sequence_and_weights_exactly(world):
     base = small_config(epochs=3, shuffle=True, batch_size=2, accumulation=1)
     base = dataclasses.replace(base, optim=dataclasses.replace(base.optim, schedule="cosine", warmup_steps=3))
 
-    class Crash(Exception):
-        pass
-
     def run(cfg, crash_at=None):
-        model, calls = mlp(seed=1), [0]
-
-        def loss_fn(m, batch):
-            # Every rank raises at the same micro-batch, before any collective of that step.
-            calls[0] += 1
-            if calls[0] == crash_at:
-                raise Crash
-            return classification_loss(m, batch)
-
-        return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)
+        return crashing_fit(world, data, cfg, seed=1, crash_at=crash_at)
 
     whole_model, whole = run(base)
     stop = whole.step // 2 + 1  # mid-epoch
