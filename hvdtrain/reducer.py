@@ -22,7 +22,41 @@ from hvdtrain.compression import Codec, Pending, make_codec
 from hvdtrain.world import World
 
 
-class GradReducer:
+class HookedBuckets:
+    """What GradReducer and ZeroReducer share: the codec switch, arming, and the hook that counts a
+    bucket's gradients and launches its collective when the last one arrives. Subclasses set
+    world, codec, residuals, _bucket_of, _bucket_len, _ready and _armed, and define _launch."""
+
+    world: World
+    codec: Codec
+    residuals: dict[int, torch.Tensor]
+    _bucket_of: dict[int, int]
+    _bucket_len: list[int]
+    _ready: list[int]
+    _armed: bool
+
+    def set_codec(self, name: str) -> None:
+        """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
+        self.codec = make_codec(name, self.world.size)
+        self.residuals = {}
+
+    def arm(self, last_micro_batch: bool) -> None:
+        """Before each backward: only the last micro-batch of a step launches collectives."""
+        self._armed = last_micro_batch
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        if self._ready[b] == self._bucket_len[b]:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        raise NotImplementedError
+
+
+class GradReducer(HookedBuckets):
     """Averages `.grad` of the given parameters across ranks. `synchronize` must be called on all
     ranks after the last micro-batch's backward of every optimizer step."""
 
@@ -39,6 +73,7 @@ class GradReducer:
                 params.append(p)
         self.buckets = _bucketize(params[::-1], int(bucket_mb * 2**20))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._bucket_len = [len(b) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Pending | None] = {}  # None: nothing to exchange (one rank, fp32)
         # One persistent fp32 buffer per bucket, and each parameter's .grad a view into it: after the
@@ -49,23 +84,6 @@ class GradReducer:
         self.residuals: dict[int, torch.Tensor] = {}
         self._armed = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-
-    def set_codec(self, name: str) -> None:
-        """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
-        self.codec = make_codec(name, self.world.size)
-        self.residuals.clear()
-
-    def arm(self, last_micro_batch: bool) -> None:
-        """Before each backward: only the last micro-batch of a step launches collectives."""
-        self._armed = last_micro_batch
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        b = self._bucket_of[id(p)]
-        self._ready[b] += 1
-        if self._ready[b] == len(self.buckets[b]):
-            self._launch(b)
 
     def _launch(self, b: int) -> None:
         flat = self._gather(b)

@@ -23,15 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.compression import make_codec, reducescatter_finish, reducescatter_launch
+from hvdtrain.compression import reducescatter_finish, reducescatter_launch
 from hvdtrain.errors import CheckpointError, ConfigError
+from hvdtrain.reducer import HookedBuckets
 from hvdtrain.world import World, _import_horovod
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _WINDOW = 2  # buckets whose allgather / stage-2 reduce-scatter may be in flight at once
 
 
-class ZeroReducer:
+class ZeroReducer(HookedBuckets):
     """Reducer and sharded optimizer step for `memory.zero_stage` 1 or 2. Same interface as
     GradReducer (arm, synchronize, set_codec, state_dict, remove); `shard_optimizer` turns the
     user's optimizer into one over this rank's slices. All ranks must call `synchronize` and
@@ -61,6 +62,7 @@ class ZeroReducer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.residuals: dict[int, torch.Tensor] = {}
         self.grad_norm = torch.zeros(())
+        self._bucket_len = [len(b["params"]) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Any] = {}
         self._launched: set[int] = set()
@@ -106,23 +108,6 @@ class ZeroReducer:
         return ShardedOptimizer(self)
 
     # ---- gradients ----
-
-    def set_codec(self, name: str) -> None:
-        """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
-        self.codec = make_codec(name, self.world.size)
-        self.residuals = {}
-
-    def arm(self, last_micro_batch: bool) -> None:
-        """Before each backward: only the last micro-batch of a step launches collectives."""
-        self._armed = last_micro_batch
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        b = self._bucket_of[id(p)]
-        self._ready[b] += 1
-        if self._ready[b] == len(self.buckets[b]["params"]):
-            self._launch(b)
 
     def _gather_grads(self, b: int) -> torch.Tensor:
         bucket = self.buckets[b]
