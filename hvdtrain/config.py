@@ -16,6 +16,17 @@ from typing import Any
 import tomllib
 import yaml
 
+from hvdtrain.config_features import (  # noqa: F401 - re-exported: import sections from hvdtrain.config
+    ADAPTIVE_LR_RULES,
+    OOM_PHASES,
+    PRECISIONS,
+    AdaptiveConfig,
+    ElasticConfig,
+    MemoryConfig,
+    _at_least,
+    _choice,
+    parse_steps,
+)
 from hvdtrain.errors import ConfigError
 
 TASKS = ("digits", "pylm", "synthetic")
@@ -23,21 +34,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ADAPTIVE_LR_RULES = ("adascale", "linear", "sqrt", "none")
-OOM_PHASES = ("forward", "backward")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
-
-
-def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{section}.{name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
-
-
-def _at_least(section: str, name: str, value: float, low: float) -> None:
-    if value < low:
-        raise ConfigError(f"{section}.{name}={value!r} must be >= {low}")
 
 
 @dataclass(frozen=True)
@@ -177,93 +175,6 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         _at_least("log", "every", self.every, 1)
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    """`"5-7"` or `"5"` -> first and last step (1-based, inclusive); ConfigError names memory.trace_steps."""
-    first, _, last = text.partition("-")
-    try:
-        a, b = int(first), int(last or first)
-    except ValueError:
-        raise ConfigError(f"memory.trace_steps={text!r} must look like 5-7 (first-last step) or 5") from None
-    if not 1 <= a <= b:
-        raise ConfigError(f"memory.trace_steps={text!r} needs 1 <= first <= last")
-    return a, b
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """Memory toolkit: mixed precision, activation checkpointing, ZeRO sharding, the memory profiler."""
-
-    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast and a dynamic loss scale)
-    activation_checkpointing: bool = False  # recompute each block of the model's `blocks` in backward
-    profile: bool = False  # per-step memory figures in the metrics log and a table at the end
-    trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
-    loss_scale: float = 65536.0  # fp16: initial loss scale
-    scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
-    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
-
-    def __post_init__(self) -> None:
-        _choice("memory", "precision", self.precision, PRECISIONS)
-        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
-        if self.trace_steps:
-            parse_steps(self.trace_steps)
-        if self.loss_scale <= 0:
-            raise ConfigError(f"memory.loss_scale={self.loss_scale!r} must be > 0")
-        _at_least("memory", "scale_growth_interval", self.scale_growth_interval, 1)
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    """Adaptive batch sizing (docs/adaptive.md): one controller picks micro-batch m and accumulation k
-    (global batch B = ranks x m x k) to maximise goodput, and scales the lr by `lr_rule`."""
-
-    enabled: bool = False
-    max_batch: int = 0  # B_max, global samples per step; 0 = 16 x the starting global batch
-    max_micro_batch: int = 0  # cap on m per rank; 0 = what the memory probe finds (or B_max / ranks)
-    decide_every: int = 50  # optimizer steps between batch decisions
-    warmup_steps: int = 100  # steps before the first decision (the estimators need data)
-    smoothing: float = 0.999  # per starting-batch worth of samples; horizon = B0 / (1 - smoothing) samples
-    lr_rule: str = "adascale"  # adascale (gain r; sqrt(r) for adam/adamw) | linear | sqrt | none (B / B0)
-    hysteresis: float = 0.05  # switch only if the predicted goodput gain exceeds this fraction
-    max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
-    norm_test: float = 1.0  # theta of the norm test floor B >= noise scale / theta^2; 0 = no floor
-    precondition: bool = True  # adam/adamw: measure the noise scale on preconditioned gradients
-    probe: bool = True  # memory probe before step 1 (cap on m, preferred m)
-    memory_budget_mb: float = 0.0  # CPU probe budget; 0 = memory_fraction x available RAM
-    memory_fraction: float = 0.8  # share of available (CPU) or total (GPU) memory the probe may plan for
-    probe_margin: float = 0.1  # predicted largest m is scaled down by this before it is verified
-    oom_shrink: float = 0.9  # after an OOM, m becomes the largest divisor of m x k that is <= this x m
-    inject_oom_above: int = 0  # testing: raise an OOM on a micro-batch larger than this; 0 = off
-    inject_oom_rank: int = -1  # testing: only on this rank (-1 = every rank)
-    inject_oom_step: int = 0  # testing: only from this optimizer step on (the probe counts as step 0)
-    inject_oom_in: str = "backward"  # testing: forward | backward (mid-backward, after some buckets left)
-
-    def __post_init__(self) -> None:
-        _choice("adaptive", "lr_rule", self.lr_rule, ADAPTIVE_LR_RULES)
-        _choice("adaptive", "inject_oom_in", self.inject_oom_in, OOM_PHASES)
-        for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb",
-                     "inject_oom_above", "inject_oom_step"):
-            _at_least("adaptive", name, getattr(self, name), 0)
-        _at_least("adaptive", "decide_every", self.decide_every, 1)
-        _at_least("adaptive", "inject_oom_rank", self.inject_oom_rank, -1)
-        _at_least("adaptive", "max_growth", self.max_growth, 1.0)
-        _at_least("adaptive", "hysteresis", self.hysteresis, 0.0)
-        for name in ("smoothing", "memory_fraction", "probe_margin", "oom_shrink"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise ConfigError(f"adaptive.{name}={getattr(self, name)!r} must be between 0 and 1 (exclusive)")
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    """Elastic training under `horovodrun --min-np/--max-np --host-discovery-script` (docs/fault-tolerance.md)."""
-
-    enabled: bool = False  # survive workers leaving and joining; keeps the global batch of the first world
-    commit_every: int = 10  # steps between in-memory commits; a failure rolls back to the last one
-    trace_samples: bool = False  # rank 0 writes each step's sample indices per rank to log.dir/samples.jsonl
-
-    def __post_init__(self) -> None:
-        _at_least("elastic", "commit_every", self.commit_every, 1)
 
 
 @dataclass(frozen=True)
