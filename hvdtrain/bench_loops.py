@@ -46,6 +46,15 @@ def _ddp_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
     return world, gather, backend
 
 
+def _close_ddp() -> None:
+    import torch.distributed as dist
+
+    # Exiting with a live Gloo group races its I/O threads against interpreter teardown ("terminate
+    # called without an active exception", SIGABRT on some runs); close it on every rank first.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _horovod_world(mode: str) -> tuple[Any, Callable[[Any], list[Any]], str]:
     from hvdtrain.world import World, _import_horovod
 
@@ -157,6 +166,8 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
             times.append(time.perf_counter() - start)
     mine = (statistics.median(times), statistics.fmean(times), min(times), max(times))
     every = gather(mine)
+    if mode == "ddp":
+        _close_ddp()
     if world.rank != 0:
         return None
     slowest = max(every)
