@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from hvdtrain.bench import records
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTBED = str(ROOT / "scripts" / "testbed.sh")
 BIN = Path(sys.executable).parent  # absolute paths: `testbed.sh run` puts its ssh wrapper first on PATH
-# Open MPI's own allreduce choice at 3 ranks was ~2.7x slower than ring on a shaped link (testbed.md).
+# Open MPI's own allreduce choice at 3 ranks was ~2.7x slower than ring on a shaped link (testbed.md),
+# and at 2 ranks it varied 2.8-5.5 s per 64 MiB at 200 Mbit/s; hvdtrain launch forces ring, so do we.
 MPI_RING = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
-_JSON = re.compile(r"^(?:\[[\d,]+\]<stdout>:)?(\{.*\})\s*$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,15 +52,10 @@ def testbed(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([TESTBED, *args], capture_output=True, text=True, check=check)
 
 
-def records(output: str) -> list[dict]:
-    """The JSON lines rank 0 printed (horovodrun may prefix them with [rank]<stdout>:)."""
-    return [json.loads(m.group(1)) for m in map(_JSON.match, output.splitlines()) if m]
-
-
 def horovodrun(np_: int, controller: str, cmd: list[str]) -> list[dict]:
     """Run `cmd` on np_ hosts (one rank each) from host 0; returns its JSON records."""
     hosts = ",".join(f"{os.environ['HVD_TESTBED_PREFIX']}-n{i}:1" for i in range(np_))
-    extra = ["--mpi-args=" + MPI_RING] if controller == "mpi" and np_ >= 3 else []
+    extra = ["--mpi-args=" + MPI_RING] if controller == "mpi" else []
     # Every testbed "host" shares this machine's cores, but each rank is alone on its host, so
     # World.init would give each rank all cores: np ranks x all cores oversubscribe and compute
     # times balloon (measured 2.4-3.4 s per step at 2 ranks against 0.35-1.1 s at 1). Split them.

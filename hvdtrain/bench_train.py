@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.bench import records
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
@@ -76,20 +77,6 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return plan
 
 
-def _records(text: str, kind: str) -> list[dict[str, Any]]:
-    """JSON records of `kind` in launcher output (rank tags removed, even where Open MPI glued lines)."""
-    import re
-
-    text = re.sub(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:", "", text)
-    decoder, out, i = json.JSONDecoder(), [], text.find('{"bench"')
-    while i != -1:
-        obj, end = decoder.raw_decode(text, i)
-        if obj.get("bench") == kind:
-            out.append(obj)
-        i = text.find('{"bench"', end)
-    return out
-
-
 def _launch(cmd: list[str], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:
     # A session of its own, so a timeout (or Ctrl-C) ends mpirun and every rank, not just the launcher.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -100,7 +87,7 @@ def _launch(cmd: list[str], env: dict[str, str], timeout: float, kind: str) -> l
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise RuntimeError(f"stopped (timeout {timeout} s or interrupt): {' '.join(cmd)}\n{out[-4000:]}") from None
-    recs = _records(out, kind)
+    recs = records(out, kind)
     if proc.returncode != 0 or not recs:
         raise RuntimeError(f"exit {proc.returncode}, no {kind} record: {' '.join(cmd)}\n{out[-4000:]}")
     return recs

@@ -1,22 +1,10 @@
 """`hvdtrain bench` under horovodrun: one well-formed JSON line per result, printed by rank 0 only."""
 
-import json
+from launch import BIN, horovodrun, run
 
-from launch import BIN, horovodrun, run, untag
+from hvdtrain.bench import records
 
 CLI = str(BIN / "hvdtrain")
-
-
-def records(output: str) -> list[dict]:
-    """Every JSON object printed, even when Open MPI glued two output lines together."""
-    decoder, out = json.JSONDecoder(), []
-    text = untag(output)
-    i = text.find('{"bench"')
-    while i != -1:
-        obj, end = decoder.raw_decode(text, i)
-        out.append(obj)
-        i = text.find('{"bench"', end)
-    return out
 
 
 def test_bench_allreduce_reports_each_size_and_mode():
