@@ -76,9 +76,10 @@ class GradReducer(HookedBuckets):
         self._bucket_len = [len(b) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Pending | None] = {}  # None: nothing to exchange (one rank, fp32)
-        # One persistent fp32 buffer per bucket, and each parameter's .grad a view into it: after the
-        # first step backward accumulates straight into the bucket, so a step needs no concatenation,
-        # no fresh allocation (page faults) and no copy back.
+        # One persistent fp32 buffer per bucket; after a reduction each parameter's .grad is a view into
+        # it, so nothing is copied back. If the caller keeps the grads (zero_grad(set_to_none=False))
+        # backward accumulates straight into the bucket; after set_to_none=True (the trainer's choice)
+        # autograd makes fresh grads and _gather copies each in once: still no concatenation.
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._views: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.residuals: dict[int, torch.Tensor] = {}
