@@ -137,12 +137,23 @@ def summarize(path: str) -> None:
     for r in (r for r in recs if r["bench"] == "allreduce"):
         print(f"| {r['hosts']} | {r['link']} | {r['controller']} | {r['goodput_mbit_s']} | {r['mode']} | "
               f"{r['time_s']:.3f} | {r['busbw_mbit_s']} | {r['busbw_of_goodput']:.1%} | {r['speedup_vs_fp32']:.2f}x |")
-    print("\n| hosts | link | np | mode | step s | samples/s | scaling efficiency |")
-    print("|---|---|---|---|---|---|---|")
-    for r in (r for r in recs if r["bench"] == "compression"):
-        eff = r.get("scaling_efficiency")
-        print(f"| {r['hosts']} | {r['link']} | {r['np']} | {r['mode']} | {r['step_s']:.3f} | "
-              f"{r['samples_per_s']:.1f} | {'' if eff is None else f'{eff:.0%}'} |")
+    _training_table([r for r in recs if r["bench"] == "compression"])
+
+
+def _training_table(recs: list[dict]) -> None:
+    """One row per launch: each codec's step, samples/s and scaling efficiency, and the compute-only
+    step beside it. All testbed hosts share one machine's cores, so `compute / step` (how much of the
+    step is the model itself) says more here than scaling efficiency against one rank."""
+    print("\n| hosts | link | ctl | np | compute-only s | mode | step s | samples/s | scaling eff. | compute / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    compute = {(r["hosts"], r["link"], r.get("controller"), r["np"]): r["step_s"]
+               for r in recs if r["mode"] == "compute-only"}
+    for r in (r for r in recs if r["mode"] != "compute-only"):
+        c = compute.get((r["hosts"], r["link"], r.get("controller"), r["np"]))
+        eff, share = r.get("scaling_efficiency"), None if c is None else c / r["step_s"]
+        print(f"| {r['hosts']} | {r['link']} | {r.get('controller', '')} | {r['np']} | "
+              f"{'' if c is None else f'{c:.3f}'} | {r['mode']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | "
+              f"{'' if eff is None else f'{eff:.0%}'} | {'' if share is None else f'{share:.0%}'} |")
 
 
 def main(argv: list[str] | None = None) -> int:
