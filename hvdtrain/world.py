@@ -30,18 +30,6 @@ def _import_horovod() -> Any:
     return hvd
 
 
-def _horovod_defaults(env: Any) -> None:
-    """Horovod settings measured faster here, set only where the user has not set them.
-
-    Gloo controller: the background thread runs a coordination round over Gloo every cycle, even
-    with nothing to send, and on few shared cores those rounds take CPU from backward. A 5 ms cycle
-    (Horovod's default is 1 ms) measured 76 ms/step against 93 ms on pylm at 2 ranks, 0.1 ms made
-    it 150 ms (docs/bench-train.md). MPI keeps Horovod's default, which measured best there.
-    """
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:  # set by horovodrun --gloo (and elastic) on every rank
-        env.setdefault("HOROVOD_CYCLE_TIME", "5")
-
-
 @dataclass(frozen=True)
 class World:
     """Rank, size and device of this process; collectives that all ranks must call together."""
@@ -60,7 +48,6 @@ class World:
         PyTorch's default (all cores per rank) oversubscribes the node and slows every rank.
         """
         hvd = _import_horovod()
-        _horovod_defaults(os.environ)
         hvd.init()
         local_rank, local_size = hvd.local_rank(), hvd.local_size()
         if torch.cuda.is_available():
