@@ -129,18 +129,18 @@ class GradReducer(HookedBuckets):
         for b in sorted(self._pending):
             if self._pending[b] is not None:
                 self.codec.advance(self._pending[b])
-        finite = []
+        done = []
         for b in sorted(self._pending):
             pending, flat = self._pending[b], self._flat[b]
             out = flat if pending is None else self.codec.finish(pending)
             if out.data_ptr() != flat.data_ptr():  # a codec that returns a new tensor (bf16)
                 flat.copy_(out)
-            finite.append(torch.isfinite(flat).all())
+            done.append(flat)
             _point_grads(self.buckets[b], self._views[b])
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self._armed = True
-        ok = bool(torch.stack(finite).all()) if finite else True
+        ok = _all_finite(done)
         if not ok:
             self.residuals.clear()  # an inf in the residual would poison every later step
         return ok
@@ -162,6 +162,17 @@ class GradReducer(HookedBuckets):
         """Detach the hooks (so a model can be trained again with a new reducer)."""
         for h in self._hooks:
             h.remove()
+
+
+def _all_finite(flats: list[torch.Tensor]) -> bool:
+    """True if every value is finite. A sum is finite only if every term is (inf and NaN propagate),
+    so one reduction settles the common case; only a non-finite sum (a bad value, or a sum that
+    overflowed) pays for the elementwise check. Measured: isfinite().all() on every step was
+    ~0.16 ms of digits' ~3 ms step at one rank."""
+    if not flats:
+        return True
+    total = torch.stack([f.sum() for f in flats]).sum()
+    return bool(torch.isfinite(total)) or all(bool(torch.isfinite(f).all()) for f in flats)
 
 
 def _bucketize(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
