@@ -84,7 +84,10 @@ class GradReducer(HookedBuckets):
         self._views: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.residuals: dict[int, torch.Tensor] = {}
         self._armed = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # The hooks only start collectives early, to overlap them with backward; alone there is
+        # nothing to overlap (synchronize launches every bucket), so, like Horovod's optimizer,
+        # a single rank registers none: ~0.06 ms per step on a 3 ms digits step.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if world.size > 1 else []
 
     def _launch(self, b: int) -> None:
         flat = self._gather(b)
