@@ -8,7 +8,6 @@ has completed on this rank (synchronize), never around an asynchronous launch.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -38,20 +37,6 @@ def default_sizes() -> list[int]:
 
 def emit(world: World, record: dict[str, Any]) -> None:
     world.print(json.dumps(record))
-
-
-def records(text: str, kind: str | None = None) -> list[dict[str, Any]]:
-    """The `emit`ted records in launcher output, optionally only those of `kind`. Rank tags are removed
-    wherever they stand and JSON is decoded wherever it starts, because Open MPI sometimes glues the
-    next line (or its tag) onto a line."""
-    text = re.sub(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:", "", text)
-    decoder, out, i = json.JSONDecoder(), [], text.find('{"bench"')
-    while i != -1:
-        obj, end = decoder.raw_decode(text, i)
-        if kind is None or obj.get("bench") == kind:
-            out.append(obj)
-        i = text.find('{"bench"', end)
-    return out
 
 
 def _slowest(world: World, times: list[float], name: str) -> tuple[float, float, float]:

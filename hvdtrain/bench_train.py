@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -22,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.bench import records
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
@@ -75,6 +75,20 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         env[kv.split("=", 1)[0]] = kv.split("=", 1)[1]
     plan["env"] = env
     return plan
+
+
+def records(text: str, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records `hvdtrain.bench.emit` printed, found in launcher output (only those of `kind` if
+    given). Rank tags are removed wherever they stand and JSON is decoded wherever it starts, because
+    Open MPI sometimes glues the next line (or its tag) onto a line."""
+    text = re.sub(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:", "", text)
+    decoder, out, i = json.JSONDecoder(), [], text.find('{"bench"')
+    while i != -1:
+        obj, end = decoder.raw_decode(text, i)
+        if kind is None or obj.get("bench") == kind:
+            out.append(obj)
+        i = text.find('{"bench"', end)
+    return out
 
 
 def _launch(cmd: list[str], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:

@@ -5,9 +5,17 @@ import os
 
 import pytest
 
-from hvdtrain import hosts, launch
+from hvdtrain import launch
 from hvdtrain.cli import main
-from hvdtrain.hosts import Host, LaunchError
+from hvdtrain.hosts import (
+    Host,
+    LaunchError,
+    expand_nodelist,
+    expand_tasks_per_node,
+    hosts_from_slurm,
+    parse_hosts,
+    read_hostfile,
+)
 
 
 @pytest.mark.parametrize("text, names", [
@@ -20,54 +28,54 @@ from hvdtrain.hosts import Host, LaunchError
     ("n[9-10],x[007]", ["n9", "n10", "x007"]),
 ])
 def test_expand_nodelist(text, names):
-    assert hosts.expand_nodelist(text) == names
+    assert expand_nodelist(text) == names
 
 
 @pytest.mark.parametrize("text", ["node[01-03", "node[3-1]", "node[a-b]", "a,,b", "n[[1]]"])
 def test_bad_nodelist_is_one_clear_error(text):
     with pytest.raises(LaunchError, match="bad Slurm node list"):
-        hosts.expand_nodelist(text)
+        expand_nodelist(text)
 
 
 @pytest.mark.parametrize("text, counts", [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1,2(x2)", [1, 2, 2])])
 def test_expand_tasks_per_node(text, counts):
-    assert hosts.expand_tasks_per_node(text) == counts
+    assert expand_tasks_per_node(text) == counts
 
 
 @pytest.mark.parametrize("text", ["2(x)", "0", "2x3", ""])
 def test_bad_tasks_per_node(text):
     with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE"):
-        hosts.expand_tasks_per_node(text)
+        expand_tasks_per_node(text)
 
 
 def test_hosts_from_slurm_uneven_tasks():
     env = {"SLURM_JOB_NODELIST": "node[01-03,07]", "SLURM_TASKS_PER_NODE": "2(x3),1"}
-    assert hosts.hosts_from_slurm(env) == [Host("node01", 2), Host("node02", 2), Host("node03", 2), Host("node07", 1)]
+    assert hosts_from_slurm(env) == [Host("node01", 2), Host("node02", 2), Host("node03", 2), Host("node07", 1)]
 
 
 def test_hosts_from_slurm_ntasks_per_node_and_default():
     env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "3"}
-    assert hosts.hosts_from_slurm(env) == [Host("n1", 3), Host("n2", 3)]
-    assert hosts.hosts_from_slurm({"SLURM_NODELIST": "n[1-2]"}) == [Host("n1", 1), Host("n2", 1)]
+    assert hosts_from_slurm(env) == [Host("n1", 3), Host("n2", 3)]
+    assert hosts_from_slurm({"SLURM_NODELIST": "n[1-2]"}) == [Host("n1", 1), Host("n2", 1)]
 
 
 def test_hosts_from_slurm_mismatch_and_missing():
     with pytest.raises(LaunchError, match="3 nodes .* 2 task counts"):
-        hosts.hosts_from_slurm({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2,1"})
+        hosts_from_slurm({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2,1"})
     with pytest.raises(LaunchError, match="no host list"):
-        hosts.hosts_from_slurm({})
+        hosts_from_slurm({})
 
 
 def test_hostfile_and_hosts(tmp_path):
     f = tmp_path / "hosts"
     f.write_text("# cluster\nh1 slots=2\n\nh2   slots = 1  # gpu box\nh3\n")
-    assert hosts.read_hostfile(f) == [Host("h1", 2), Host("h2", 1), Host("h3", 1)]
-    assert hosts.parse_hosts("h1:2,h2") == [Host("h1", 2), Host("h2", 1)]
+    assert read_hostfile(f) == [Host("h1", 2), Host("h2", 1), Host("h3", 1)]
+    assert parse_hosts("h1:2,h2") == [Host("h1", 2), Host("h2", 1)]
     f.write_text("h1 cpus=2\n")
     with pytest.raises(LaunchError, match="line 1"):
-        hosts.read_hostfile(f)
+        read_hostfile(f)
     with pytest.raises(LaunchError, match="h1:x"):
-        hosts.parse_hosts("h1:x")
+        parse_hosts("h1:x")
 
 
 def args(*argv):
