@@ -160,10 +160,11 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
     for i, batch in enumerate(batches):
         _sync(world.device)
         start = time.perf_counter()
-        losses.append(step(batch))
+        loss = step(batch)
         _sync(world.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+        losses.append(loss.clone())  # outside the timed window; hvdtrain's running sum is updated in place
     mine = (statistics.median(times), statistics.fmean(times), min(times), max(times))
     every = gather(mine)
     if mode == "ddp":

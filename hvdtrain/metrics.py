@@ -28,9 +28,13 @@ class MetricSums:
         self.samples = 0
 
     def add(self, loss: torch.Tensor, batch_sums: dict[str, torch.Tensor], samples: int) -> None:
-        items = {"loss": loss.detach().double() * samples, **{k: v.detach().double() for k, v in batch_sums.items()}}
-        for key, value in items.items():
-            self.sums[key] = self.sums.get(key, 0) + value.cpu()
+        # Accumulated in place, in fp64, on the values' device: a per-step .cpu() would make every
+        # GPU step wait for its kernels, and fresh tensors per step cost more than the adds.
+        for key, value, weight in (("loss", loss, samples), *((k, v, 1) for k, v in batch_sums.items())):
+            acc = self.sums.get(key)
+            if acc is None:
+                acc = self.sums[key] = torch.zeros((), dtype=torch.float64, device=value.device)
+            acc.add_(value.detach(), alpha=weight)
         self.samples += samples
 
     def reduce(self, world: World, name: str, keys: tuple[str, ...]) -> dict[str, float]:
@@ -39,7 +43,7 @@ class MetricSums:
         vec = torch.zeros(len(keys) + 1, dtype=torch.float64)
         for i, key in enumerate(keys):
             if key in self.sums:
-                vec[i] = self.sums[key]
+                vec[i] = self.sums[key].cpu()  # the one host sync, on logging steps only
         vec[-1] = self.samples
         total = world.allreduce(vec, name=name, op="sum")
         count = float(total[-1])

@@ -55,6 +55,11 @@ class HookedBuckets:
     def _launch(self, b: int) -> None:
         raise NotImplementedError
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After the optimizer step (all the trainer calls): by default the optimizer's own."""
+        if optimizer is not None:
+            optimizer.zero_grad()
+
 
 class GradReducer(HookedBuckets):
     """Averages `.grad` of the given parameters across ranks. `synchronize` must be called on all
@@ -77,11 +82,12 @@ class GradReducer(HookedBuckets):
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Pending | None] = {}  # None: nothing to exchange (one rank, fp32)
         # One persistent fp32 buffer per bucket; after a reduction each parameter's .grad is a view into
-        # it, so nothing is copied back. If the caller keeps the grads (zero_grad(set_to_none=False))
-        # backward accumulates straight into the bucket; after set_to_none=True (the trainer's choice)
-        # autograd makes fresh grads and _gather copies each in once: still no concatenation.
+        # it, so nothing is copied back, and `zero_grad` keeps those views (zeroed) so the next
+        # backward accumulates straight into the bucket. Grads rebound elsewhere (an optimizer's
+        # zero_grad, an OOM) are copied in once by _gather: still no concatenation.
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._views: list[list[torch.Tensor]] = [[] for _ in self.buckets]
+        self._aliased = [False] * len(self.buckets)  # every grad of the bucket is its view
         self.residuals: dict[int, torch.Tensor] = {}
         self._armed = True
         # The hooks only start collectives early, to overlap them with backward; alone there is
@@ -139,7 +145,7 @@ class GradReducer(HookedBuckets):
             if out.data_ptr() != flat.data_ptr():  # a codec that returns a new tensor (bf16)
                 flat.copy_(out)
             done.append(flat)
-            _point_grads(self.buckets[b], self._views[b])
+            self._aliased[b] = _point_grads(self.buckets[b], self._views[b])
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self._armed = True
@@ -147,6 +153,20 @@ class GradReducer(HookedBuckets):
         if not ok:
             self.residuals.clear()  # an inf in the residual would poison every later step
         return ok
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After the optimizer step, instead of `optimizer.zero_grad()`: one memset per bucket, and
+        the grads stay views of the buckets. Dropping them (set_to_none) made autograd allocate
+        fresh grads that _gather then copied in, ~0.07 ms of a 2.3 ms digits step at one rank.
+        The reducer owns the grads of the parameters it was built with (all that require grad)."""
+        for b, flat in enumerate(self._flat):
+            if flat is None:
+                continue
+            flat.zero_()
+            if not self._aliased[b]:  # e.g. another dtype's converted copy: drop it, as set_to_none would
+                for p, view in zip(self.buckets[b], self._views[b]):
+                    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                        p.grad = None
 
     def state_dict(self) -> dict[str, object]:
         """Per-rank state (residuals differ between ranks)."""
@@ -191,14 +211,19 @@ def _bucketize(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Te
     return [b for b in buckets if b]
 
 
-def _point_grads(params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
-    """Make each .grad the averaged view (rebinding, not copying); other dtypes get a converted copy."""
+def _point_grads(params: list[torch.Tensor], views: list[torch.Tensor]) -> bool:
+    """Make each .grad the averaged view (rebinding, not copying); other dtypes get a converted copy.
+    True if every grad is now its view."""
+    aliased = True
     for p, view in zip(params, views):
         if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
             continue
         if p.dtype == view.dtype:
             p.grad = view
-        elif p.grad is None:
+            continue
+        aliased = False
+        if p.grad is None:
             p.grad = view.to(p.dtype)
         else:
             p.grad.copy_(view)
+    return aliased

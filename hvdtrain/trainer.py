@@ -111,14 +111,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
         batch = _to_device(batch, device)
         with precision.forward():
             loss, batch_sums = loss_fn(model, batch)
-        precision.backward(loss / (rank_samples / _batch_len(batch) if rank_samples else len(micro_batches)))
+        divisor = rank_samples / _batch_len(batch) if rank_samples else len(micro_batches)
+        precision.backward(loss / divisor if divisor != 1 else loss)  # no autograd node for a no-op
         sums.add(loss, batch_sums, _batch_len(batch))
     beat("gradient allreduce (hvdtrain.grad.*)", True)
     with nvtx_range("allreduce wait"):
         finite = reducer.synchronize()
     # Horovod's mixed-precision order: synchronize, then unscale, clip and step without re-reducing.
-    precision.step(optimizer, list(model.parameters()), finite, clip, reducer)
-    optimizer.zero_grad()
+    # Only unscaling and clipping touch every parameter; walking the module tree each step for
+    # nothing cost ~0.02 ms of a 2.3 ms digits step.
+    params = list(model.parameters()) if clip > 0 or precision.scaler is not None else []
+    precision.step(optimizer, params, finite, clip, reducer)
+    reducer.zero_grad(optimizer)  # GradReducer zeroes its buckets in place: the grads are their views
     return finite
 
 

@@ -191,7 +191,8 @@ class ZeroReducer(HookedBuckets):
     def _copy_gathered(self, handles: dict[int, Any], b: int) -> None:
         self.flat[b].copy_(_import_horovod().synchronize(handles.pop(b)))
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """The sharded optimizer's zero_grad (the trainer passes its optimizer; this is what it calls)."""
         for s in self.shards:
             s.grad = None  # stage 2 frees its slices; stage 1's full buckets are reused
 
