@@ -87,6 +87,7 @@ class AdaptiveController:
         self.proxy = _StatsReducer(self, reducer)
         reducer.adopt_hooks(self.meter._hooks)
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
+        self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
         self.last: dict[str, float] = {}
         self._oom_here, self._clock, self._micro_seconds = False, 0.0, 0.0
@@ -225,6 +226,7 @@ class AdaptiveController:
         """Advance τ, log, and on decision steps take rank 0's decision. All ranks must call, right
         after the sampler has counted the step's samples."""
         self.injector.step = step
+        self._samples_before, self.samples = self.samples, self.samples + self.batch
         phi = self.noise.phi
         r = goodput.gain(phi, self.batch, self.base)
         self.tau += r if self.ac.lr_rule == "adascale" else self.batch / self.base
@@ -238,6 +240,12 @@ class AdaptiveController:
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
         if step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
             self._decide(step, log)
+
+    def due(self, every: int) -> bool:
+        """For `train.eval_every` under a changing batch: True once per `every` x B0 samples, so
+        evaluations keep the user's spacing in data seen whatever B is. Same on every rank."""
+        period = every * self.base
+        return self.samples // period > self._samples_before // period
 
     def _decide(self, step: int, log: TrainLog) -> None:
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
@@ -259,7 +267,8 @@ class AdaptiveController:
 
     def state_dict(self) -> dict[str, Any]:
         return {"m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
-                "probed": self.probed, "ooms": self.ooms, "decisions": [list(d) for d in self.decisions],
+                "samples": self.samples, "probed": self.probed, "ooms": self.ooms,
+                "decisions": [list(d) for d in self.decisions],
                 "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -268,6 +277,7 @@ class AdaptiveController:
                               "resume with the same ranks x train.batch_size x train.accumulation")
         self.cap, self.sizes, self.tau = int(state["cap"]), [int(s) for s in state["sizes"]], float(state["tau"])
         self.probed, self.ooms = bool(state["probed"]), int(state["ooms"])
+        self.samples = self._samples_before = int(state.get("samples", 0))  # absent before 2026-12-03
         self.decisions = [[int(x) for x in d] for d in state["decisions"]]
         self.noise.load_state_dict(state["noise"])
         self.times.load_state_dict(state["times"])

@@ -84,12 +84,12 @@ def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, ad
     from hvdtrain.trainer import fit
 
     batch = world.size * m
-    # An adaptive run may reach B_max: evaluate often enough for that batch (evaluation time is excluded).
-    eval_batch = adaptive["max_batch"] if adaptive else batch
+    # Every run evaluates once per `eval_samples` training samples: with adaptive batch sizing
+    # eval_every counts steps of the starting batch B0 in samples, whatever the batch has grown to.
     cfg = dataclasses.replace(
         base, seed=seed,
         train=dataclasses.replace(base.train, batch_size=m, accumulation=1, epochs=1000,
-                                  eval_every=max(1, eval_samples // eval_batch)),
+                                  eval_every=max(1, eval_samples // batch)),
         optim=dataclasses.replace(base.optim, lr=lr, lr_scaling="none"),
         adaptive=AdaptiveConfig(enabled=True, **adaptive) if adaptive else base.adaptive)
     task = build_task(cfg)

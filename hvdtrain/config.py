@@ -115,7 +115,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = run all epochs
     batch_size: int = 32  # per rank, per micro-batch
     accumulation: int = 1  # micro-batches per optimizer step (Horovod backward_passes_per_step)
-    eval_every: int = 0  # evaluate every N steps; 0 = at the end of each epoch
+    eval_every: int = 0  # evaluate every N steps (adaptive batch: every N x starting-batch samples); 0 = each epoch end
     shuffle: bool = True
     stop_after_skips: int = 0  # stop after this many consecutive non-finite steps; 0 = keep skipping
     stall_timeout: float = 1800.0  # seconds without progress before a rank stops the job; 0 = off

@@ -139,3 +139,19 @@ def test_resume_restores_the_controller_exactly(world):
     after = [r for r in pick(whole.history) if r[0] > stop]
     assert pick(resumed.history) == after and len({r[3] for r in after}) > 1  # the batch kept changing
     torch.testing.assert_close(flat_params(resumed_model), flat_params(whole_model), rtol=0, atol=0)
+
+
+def test_eval_every_counts_starting_batches_of_samples_as_the_batch_grows(world):
+    cfg = growing_config(max_micro_batch=0)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=3))
+    result = hvdtrain.fit(world, mlp(seed=3), None, Indexed(160 * world.size), cfg,
+                          eval_set=Indexed(16), loss_fn=recording_loss([]))
+    records = adaptive_records(result.history)
+    assert records[-1]["B"] >= 4 * records[0]["B"]  # the batch grew, so steps and samples part ways
+    period, seen, want = 3 * records[0]["B"], 0, []
+    for r in records:
+        if (seen + r["B"]) // period > seen // period:
+            want.append(r["step"])
+        seen += r["B"]
+    evals = [r["step"] for r in result.history if r["kind"] == "eval"]
+    assert evals == want and len(evals) >= 3
