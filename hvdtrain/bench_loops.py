@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -165,20 +166,21 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
         if i >= warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.clone())  # outside the timed window; hvdtrain's running sum is updated in place
-    mine = (statistics.median(times), statistics.fmean(times), min(times), max(times))
+    mine = (statistics.median(times), statistics.fmean(times), min(times), max(times), socket.gethostname())
     every = gather(mine)
     if mode == "ddp":
         _close_ddp()
     if world.rank != 0:
         return None
-    slowest = max(every)
+    slowest = max(e[:4] for e in every)
     # hvdtrain keeps a running sum of loss x samples; the others return each step's mean loss.
     last = float(losses[-1] - losses[-2]) / cfg.train.batch_size if mode == "hvdtrain" else float(losses[-1])
     return {"bench": "train-run", "mode": mode, "backend": backend, "task": cfg.task, "np": world.size,
             "params": count_parameters(task.model), "batch_per_rank": cfg.train.batch_size,
             "global_batch": world.size * cfg.train.batch_size, "steps": steps, "warmup": warmup,
             "step_s": slowest[0], "mean_s": slowest[1], "step_min_s": slowest[2], "step_max_s": slowest[3],
-            "rank_medians_s": [e[0] for e in every], "last_loss": last, "threads": torch.get_num_threads()}
+            "rank_medians_s": [e[0] for e in every],
+            "rank_hosts": [e[4] for e in every], "last_loss": last, "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:

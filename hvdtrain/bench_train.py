@@ -7,7 +7,8 @@ launch is `hvdtrain.bench_loops`; its JSON line is the slowest rank's median ste
 Printed, one JSON line each: every launch (`train-run`), the median and spread over rounds with
 ratios (`train`), and samples/s, scaling efficiency and the ring model's prediction vs np
 (`train-scaling`). `--plot DIR` adds PNG charts and summary.md (hvdtrain.bench_plot).
-Run it without a launcher: it launches the ranks itself.
+Run it without a launcher: it launches the ranks itself. `--hosts a:1,b:1` runs across hosts over ssh
+(horovodrun -H; one torchrun per host for DDP), e.g. inside `scripts/testbed.sh run` on the namespace hosts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -43,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="environment for every launch, e.g. HOROVOD_CYCLE_TIME=5 (repeatable)")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts and summary.md to DIR")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    p.add_argument("--hosts", metavar="H1:S1,H2:S2",
+                   help="run across these hosts (ssh), filled in order up to each --np; DDP starts one "
+                        "torchrun per host (equal slots per host), as its users do")
+    p.add_argument("--master-port", type=int, default=29531, help="DDP rendezvous port on the first host")
 
 
 def _list(text: str, allowed: tuple[str, ...] | None, flag: str) -> list[str]:
@@ -74,7 +80,32 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--env {kv!r} must look like KEY=VALUE")
         env[kv.split("=", 1)[0]] = kv.split("=", 1)[1]
     plan["env"] = env
+    plan["hosts"] = _host_lists(args.hosts, plan["np"], "ddp" in plan["modes"]) if args.hosts else {}
     return plan
+
+
+def _host_lists(text: str, nps: list[int], ddp: bool) -> dict[int, list[Any]]:
+    """For each np, the hosts that run it (filled in order) with the slots used on each."""
+    from hvdtrain.hosts import Host, LaunchError, parse_hosts
+
+    try:
+        hosts = parse_hosts(text)
+    except LaunchError as e:
+        raise ConfigError(f"--hosts: {e}") from None
+    out = {}
+    for np in nps:
+        if np > sum(h.slots for h in hosts):
+            raise ConfigError(f"--np {np} needs more slots than --hosts {text!r} has")
+        used, left = [], np
+        for h in hosts:
+            if left:
+                used.append(Host(h.name, min(h.slots, left)))
+                left -= used[-1].slots
+        if ddp and len({h.slots for h in used}) > 1:
+            raise ConfigError(f"--np {np} over --hosts {text!r} gives unequal ranks per host "
+                              f"({', '.join(f'{h.name}:{h.slots}' for h in used)}); torchrun needs equal ones")
+        out[np] = used
+    return out
 
 
 def records(text: str, kind: str | None = None) -> list[dict[str, Any]]:
@@ -91,29 +122,61 @@ def records(text: str, kind: str | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def _launch(cmd: list[str], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:
-    # A session of its own, so a timeout (or Ctrl-C) ends mpirun and every rank, not just the launcher.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def _launch(cmds: list[list[str]], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:
+    """Run the commands together (one per host for multi-host DDP, else one) and return the records."""
+    # Sessions of their own, so a timeout (or Ctrl-C) ends mpirun/ssh and every rank, not just the launcher.
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in cmds]
+    outs, shown = [], " & ".join(" ".join(c) for c in cmds)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout)[0])
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise RuntimeError(f"stopped (timeout {timeout} s or interrupt): {' '.join(cmd)}\n{out[-4000:]}") from None
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out = "".join(proc.communicate()[0] or "" for proc in procs)
+        raise RuntimeError(f"stopped (timeout {timeout} s or interrupt): {shown}\n{out[-4000:]}") from None
+    out = "".join(outs)
     recs = records(out, kind)
-    if proc.returncode != 0 or not recs:
-        raise RuntimeError(f"exit {proc.returncode}, no {kind} record: {' '.join(cmd)}\n{out[-4000:]}")
+    if any(p.returncode != 0 for p in procs) or not recs:
+        raise RuntimeError(f"exit {[p.returncode for p in procs]}, no {kind} record: {shown}\n{out[-4000:]}")
     return recs
 
 
-def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace) -> list[str]:
+def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
+             plan: dict[str, Any]) -> list[list[str]]:
     bin_dir = Path(sys.executable).parent
     worker = ["-m", "hvdtrain.bench_loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
               "--warmup", str(args.warmup)] + [a for kv in args.overrides for a in ("--set", kv)]
+    hosts = plan["hosts"].get(np)
+    if mode == "ddp" and hosts:
+        return _ddp_over_ssh(hosts, worker, args, plan["env"])
     if mode == "ddp":  # as DDP users launch it
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np}", *worker]
-    return [str(bin_dir / "horovodrun"), "-np", str(np), f"--{ctrl}", sys.executable, *worker]
+        return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np}", *worker]]
+    where = ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)] if hosts else []
+    if hosts and ctrl == "mpi":  # as `hvdtrain launch` runs it across hosts
+        from hvdtrain.launch import MPI_RING_ARGS
+
+        where.append(f"--mpi-args={MPI_RING_ARGS}")
+    return [[str(bin_dir / "horovodrun"), "-np", str(np), *where, f"--{ctrl}", sys.executable, *worker]]
+
+
+def _ddp_over_ssh(hosts: list[Any], worker: list[str], args: argparse.Namespace,
+                  env: dict[str, str]) -> list[list[str]]:
+    """Multi-node DDP the way its users start it: one torchrun per host, node ranks in host order,
+    the first host as the static rendezvous; ssh carries no environment, so it is spelled out."""
+    keep = {k: v for k, v in env.items() if k in ("OMP_NUM_THREADS", "PYTHONPATH") or
+            any(kv.startswith(f"{k}=") for kv in args.env)}
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(keep.items()))
+    cmds = []
+    for i, h in enumerate(hosts):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--node_rank={i}",
+                    f"--nproc_per_node={h.slots}", f"--master_addr={hosts[0].name}",
+                    f"--master_port={args.master_port}", *worker]
+        remote = f"cd {shlex.quote(os.getcwd())} && exec env {exports} {shlex.join(torchrun)}"
+        cmds.append(["ssh", "-o", "BatchMode=yes", h.name, remote])
+    return cmds
 
 
 def _ways(plan: dict[str, Any]) -> list[tuple[str, str]]:
@@ -130,7 +193,7 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "global_batch": first["global_batch"], "step_s": statistics.median(steps), "step_min_s": min(steps),
             "step_max_s": max(steps), "repeats": len(steps), "steps_per_repeat": first["steps"],
             "samples_per_s": first["global_batch"] / statistics.median(steps),
-            "last_loss": statistics.median(r["last_loss"] for r in runs)}
+            "last_loss": statistics.median(r["last_loss"] for r in runs), "hosts": first.get("hosts")}
 
 
 def _ratios(rec: dict[str, Any], by_key: dict[tuple, dict[str, Any]], rounds: dict[tuple, list]) -> None:
@@ -154,9 +217,10 @@ def _ring_probe(task: str, np: int, ctrl: str, params: int, plan: dict[str, Any]
                 args: argparse.Namespace) -> dict[str, float]:
     """Latency alpha (s per message) and bandwidth beta (bytes/s) from two timed allreduces at np."""
     size = params * 4
-    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np), f"--{ctrl}", sys.executable, "-m",
-           "hvdtrain.cli", "bench", "allreduce", "--sizes", f"4,{size}", "--modes", "fp32", "--iters", "10"]
-    recs = {r["bytes"]: r["time_s"] for r in _launch(cmd, plan["env"], args.timeout, "allreduce")}
+    cmd = _command("horovod", ctrl, np, task, args, plan)[0]
+    cmd[cmd.index("hvdtrain.bench_loops"):] = ["hvdtrain.cli", "bench", "allreduce", "--sizes", f"4,{size}",
+                                               "--modes", "fp32", "--iters", "10"]
+    recs = {r["bytes"]: r["time_s"] for r in _launch([cmd], plan["env"], args.timeout, "allreduce")}
     hops = 2 * (np - 1)
     alpha = recs[4] / hops
     beta = hops / np * size / max(recs[size] - hops * alpha, 1e-9)
@@ -199,8 +263,10 @@ def _run_task(task: str, plan: dict[str, Any], args: argparse.Namespace) -> list
         runs: dict[tuple, list[dict[str, Any]]] = {}
         for rnd in range(args.repeats):
             for mode, ctrl in _ways(plan):
-                rec = _launch(_command(mode, ctrl, np, task, args), plan["env"], args.timeout, "train-run")[0]
+                rec = _launch(_command(mode, ctrl, np, task, args, plan), plan["env"], args.timeout, "train-run")[0]
                 rec.update(controller=ctrl, round=rnd)
+                if plan["hosts"]:
+                    rec["hosts"] = ",".join(f"{h.name}:{h.slots}" for h in plan["hosts"][np])
                 _emit(rec)
                 runs.setdefault((task, np, mode, ctrl), []).append(rec)
         summary = {k: _summarise(v) for k, v in runs.items()}

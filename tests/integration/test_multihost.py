@@ -178,3 +178,16 @@ def test_launch_preflight_catches_a_hostname_that_resolves_to_loopback(bed):
     assert result.returncode == 2, result.stdout
     assert result.stdout.startswith("hvdtrain: preflight: host localhost: hostname localhost resolves to loopback "
                                     "127.0.0.1; Gloo needs it to resolve to the host's routable address"), result.stdout
+
+
+def test_bench_train_runs_all_three_ways_across_hosts(bed):
+    # Launched from host 0 onto hosts 1 and 2: horovodrun -H for hvdtrain and the Horovod loop, one
+    # torchrun per host (node ranks, static rendezvous on host 1) for DDP.
+    text = in_testbed(bed, [str(BIN / "hvdtrain"), "bench", "train", "--tasks", "digits", "--set", "model.width=4",
+                            "--np", "2", "--hosts", f"{HOSTS[1]}:1,{HOSTS[2]}:1", "--controllers", "gloo",
+                            "--steps", "2", "--warmup", "1", "--repeats", "1"], timeout=240)
+    runs = [json.loads(line) for line in text.splitlines() if line.startswith('{"bench": "train-run"')]
+    assert [r["mode"] for r in runs] == ["hvdtrain", "horovod", "ddp"], text[-3000:]
+    for r in runs:
+        assert r["hosts"] == f"{HOSTS[1]}:1,{HOSTS[2]}:1" and r["rank_hosts"] == HOSTS[1:], r
+    assert all(abs(r["last_loss"] - runs[0]["last_loss"]) <= 1e-4 * runs[0]["last_loss"] for r in runs)
