@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (the lr grid uses the first)")
     p.add_argument("--budget-s", type=float, default=20.0, help="training seconds per run before giving up")
     p.add_argument("--eval-samples", type=int, default=256, help="training samples between evaluations")
+    p.add_argument("--targets", default="", metavar="TASK=LOSS,...", help="override target held-out losses")
+    p.add_argument("--adaptive", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="an adaptive variant, e.g. goodput:norm_test=0 (repeatable; default: one with defaults)")
 
 
 class _Stop(Exception):
@@ -48,11 +51,14 @@ class _Watch:
         self.start = self.eval_started = None
         self.eval_seconds, self.sums, self.evals = 0.0, [0.0, 0.0], 0
         self.result: dict[str, Any] = {}
+        self.sizes: list[int] = []
 
     def __call__(self, model: Any, batch: Any) -> Any:
         now = time.perf_counter()
         if model.training:
             self.start = self.start or now
+            if not self.sizes or self.sizes[-1] != len(batch[1]):
+                self.sizes.append(len(batch[1]))  # this rank's micro-batch sizes, in the order used
             if self.eval_started is not None:
                 self._after_eval(now)
         elif self.eval_started is None:
@@ -78,7 +84,7 @@ class _Watch:
 
 
 def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, adaptive: dict | None,
-         spec: dict, budget: float, eval_samples: int) -> dict[str, Any]:
+         spec: dict, budget: float, eval_samples: int, variant: str = "") -> dict[str, Any]:
     from hvdtrain.config import AdaptiveConfig
     from hvdtrain.tasks import build_task
     from hvdtrain.trainer import fit
@@ -100,16 +106,34 @@ def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, ad
     except _Stop:
         pass
     out = {"bench": "adaptive", "task": task_name, "np": world.size, "seed": seed,
-           "mode": "adaptive" if adaptive else "fixed", "start_batch": batch, "lr": lr,
+           "mode": "adaptive" if adaptive else "fixed", "variant": variant, "start_batch": batch, "lr": lr,
+           "target": spec["target"], "micro_batches": watch.sizes,
            **(watch.result or {"reached": False, "time_s": None, "note": f"data ran out at step {result.step}"})}
     world.print(json.dumps(out))
     return out
 
 
-def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int) -> None:
+def _variants(texts: list[str]) -> dict[str, dict[str, Any]]:
+    """`name:key=value,...` -> {name: AdaptiveConfig overrides}; values parsed as YAML scalars."""
+    import yaml
+
+    from hvdtrain.errors import ConfigError
+
+    out = {}
+    for text in texts or ["default:"]:
+        name, _, settings = text.partition(":")
+        pairs = [kv.split("=", 1) for kv in settings.split(",") if kv]
+        if not name or any(len(kv) != 2 for kv in pairs):
+            raise ConfigError(f"--adaptive {text!r}: expected NAME:KEY=VALUE,..., e.g. goodput:norm_test=0")
+        out[name] = {k.strip(): yaml.safe_load(v) for k, v in pairs}
+    return out
+
+
+def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, target: float | None,
+          variants: dict[str, dict[str, Any]]) -> None:
     from hvdtrain import config as config_mod
 
-    spec = TASKS[name]
+    spec = dict(TASKS[name], target=target or TASKS[name]["target"])
     base = config_mod.build(None, spec["set"] + ["log.progress=false", "log.tensorboard=false"], task=name)
     best: dict[int, tuple[float, float]] = {}
     runs: list[dict] = []
@@ -127,25 +151,30 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int) -
         if seed:
             runs += [_one(world, base, name, seed, m, best[m][1], None, spec, budget, eval_samples)
                      for m in spec["batches"]]
-        runs.append(_one(world, base, name, seed, small, best[small][1], adaptive, spec, budget, eval_samples))
-    world.print(json.dumps(_summary(world, name, spec, runs, best)))
+        for variant, overrides in variants.items():
+            r = _one(world, base, name, seed, small, best[small][1], {**adaptive, **overrides}, spec, budget,
+                     eval_samples, variant)
+            runs.append(r)
+    world.print(json.dumps(_summary(world, name, spec, runs, best, list(variants))))
 
 
-def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict) -> dict[str, Any]:
-    def times(mode: str, m: int | None = None) -> list[float]:
+def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, variants: list[str]) -> dict[str, Any]:
+    def times(mode: str, m: int | None = None, variant: str = "") -> list[float]:
         sel = [r for r in runs if r["mode"] == mode and (m is None or r["start_batch"] == world.size * m)
-               and (mode == "adaptive" or r["lr"] == best[m][1])]
+               and (mode == "adaptive" or r["lr"] == best[m][1]) and r["variant"] == variant]
         return [r["time_s"] if r["reached"] else float("inf") for r in sel]
 
     fixed = {world.size * m: statistics.median(times("fixed", m)) for m in spec["batches"]}
     finite = lambda t: t if t != float("inf") else None  # noqa: E731 - JSON has no infinity
-    adaptive = statistics.median(times("adaptive"))
+    adaptive = {v: statistics.median(times("adaptive", variant=v)) for v in variants}
     best_fixed = min(fixed.values())
     start = fixed[world.size * spec["batches"][0]]
     return {"bench": "adaptive-summary", "task": name, "np": world.size, "target": spec["target"],
-            "median_time_s": {"adaptive": finite(adaptive), **{f"fixed_{b}": finite(t) for b, t in fixed.items()}},
+            "median_time_s": {**{f"adaptive_{v}": finite(t) for v, t in adaptive.items()},
+                              **{f"fixed_{b}": finite(t) for b, t in fixed.items()}},
             "best_lr": {world.size * m: lr for m, (_, lr) in best.items()},
-            "adaptive_vs_best_fixed": adaptive / best_fixed, "adaptive_vs_start_batch": adaptive / start}
+            "adaptive_vs_best_fixed": {v: t / best_fixed for v, t in adaptive.items()},
+            "adaptive_vs_start_batch": {v: t / start for v, t in adaptive.items()}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     if bad or args.seeds < 1:
         raise ConfigError(f"--tasks {bad[0]!r} is not allowed; choose from {', '.join(TASKS)}" if bad
                           else "--seeds must be >= 1")
+    targets = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.targets.split(",") if kv)}
+    variants = _variants(args.variants)
     world = World.init()
     for name in names:
-        _task(world, name, args.seeds, args.budget_s, args.eval_samples)
+        _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants)
     return 0
