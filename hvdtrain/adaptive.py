@@ -21,17 +21,13 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from hvdtrain import goodput
-from hvdtrain.config import Config
+from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError, TrainingStopped
 from hvdtrain.gns import GradNormMeter, NoiseScale
 from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.world import World
-
-
-def _largest_divisor(n: int, at_most: float) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
 
 
 class _StatsReducer:
@@ -74,11 +70,12 @@ class AdaptiveController:
         if per_rank < self.min_k:
             raise ConfigError("adaptive batch sizing on one rank needs train.batch_size x train.accumulation >= 2 "
                               "(the noise scale compares two micro-batches per step)")
-        self.m = tc.batch_size if tc.accumulation >= self.min_k else _largest_divisor(per_rank, per_rank / 2)
+        self.m = tc.batch_size if tc.accumulation >= self.min_k else goodput.largest_divisor(per_rank, per_rank / 2)
         self.k = per_rank // self.m
         self.cap = ac.max_micro_batch or self.max_batch // world.size
         self.sizes = [tc.batch_size * 2**i for i in range(12)] + [max(1, tc.batch_size // 2**i) for i in range(1, 6)]
         self.adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        self.milestones = parse_milestones(cfg.optim.milestones) if ac.policy == "decay_to_batch" else ()
         self.noise = NoiseScale(ac.smoothing, self.base)
         self.times = goodput.StepTimeModel({})
         self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
@@ -133,7 +130,7 @@ class AdaptiveController:
             self.times.record(m, seconds, 0.0, keep=0.0)
         per_rank = self.m * self.k
         if self.m > self.cap or self.m < result.preferred:
-            m = _largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))
+            m = goodput.largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))
             self._apply(m, per_rank // m)
         self.last["probe_cap"], self.last["probe_preferred"] = self.cap, result.preferred
 
@@ -142,7 +139,8 @@ class AdaptiveController:
     def apply_lr(self, schedule: Any) -> float:
         """Set the lr: the user's schedule at progress τ, times the factor of the current batch."""
         phi = self.noise.phi
-        self.lr_factor = goodput.lr_factor(self.ac.lr_rule, self.adam, phi, self.batch, self.base)
+        rule = "linear" if self.milestones else self.ac.lr_rule  # decay_to_batch: B/B0 undoes the decays
+        self.lr_factor = goodput.lr_factor(rule, self.adam, phi, self.batch, self.base)
         m = schedule.multiplier(self.tau) * self.lr_factor
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * m
@@ -178,7 +176,7 @@ class AdaptiveController:
         if self.m == 1:
             raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
                                   "or more memory")
-        m = _largest_divisor(per_rank, min(self.m * self.ac.oom_shrink, self.m - 1))
+        m = goodput.largest_divisor(per_rank, min(self.m * self.ac.oom_shrink, self.m - 1))
         self.ooms += 1
         self.cap = min(self.cap, m)
         self._apply(m, per_rank // m)  # same B, so the same LR and the same samples
@@ -229,7 +227,7 @@ class AdaptiveController:
         self._samples_before, self.samples = self.samples, self.samples + self.batch
         phi = self.noise.phi
         r = goodput.gain(phi, self.batch, self.base)
-        self.tau += r if self.ac.lr_rule == "adascale" else self.batch / self.base
+        self.tau += r if self.ac.lr_rule == "adascale" and not self.milestones else self.batch / self.base
         eff = r * self.base / self.batch
         values = {"m": self.m, "k": self.k, "B": self.batch, "lr_factor": self.lr_factor, "gain": r,
                   "gns": phi if math.isfinite(phi) else None, "efficiency": eff, "progress": self.tau,
@@ -238,7 +236,9 @@ class AdaptiveController:
         loss = f"{log.last['loss']:.4f}" if "loss" in log.last else "-"
         log.bar.set_postfix(loss=loss, B=self.batch, m=self.m, k=self.k, lr=f"x{self.lr_factor:.2f}",
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
-        if step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
+        if self.milestones:
+            self._follow_decays(step, log)
+        elif step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
             self._decide(step, log)
 
     def due(self, every: int) -> bool:
@@ -255,13 +255,23 @@ class AdaptiveController:
             mine = goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes)
         # Ranks' statistics can differ in the last bits: rank 0's choice holds for all.
         m, k = self.world.broadcast_object(mine, name="hvdtrain.adaptive.decision")
+        self._change(step, m, k, log, f"noise scale {self.noise.phi:.0f}")
+
+    def _follow_decays(self, step: int, log: TrainLog) -> None:
+        # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same
+        # step and take the same (m, k) without a collective.
+        decays = sum(self.tau >= t for t in self.milestones)
+        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k, 0.0, 1.0, 0.0)
+        m, k = goodput.decayed_batch(lim, self.cfg.optim.gamma, decays)
+        self._change(step, m, k, log, f"lr decay {decays} taken as batch growth")
+
+    def _change(self, step: int, m: int, k: int, log: TrainLog, why: str) -> None:
         if (m, k) != (self.m, self.k):
             old = self.batch
             self._apply(m, k)
             self.decisions.append([step, m, k])
             log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=self.noise.phi)
-            log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, "
-                          f"noise scale {self.noise.phi:.0f})")
+            log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, {why})")
 
     # ---- state ----
 

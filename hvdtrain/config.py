@@ -25,6 +25,8 @@ from hvdtrain.config_features import (  # noqa: F401 - re-exported: import secti
     MemoryConfig,
     _at_least,
     _choice,
+    check_combinations,
+    parse_milestones,
     parse_steps,
 )
 from hvdtrain.errors import ConfigError
@@ -32,7 +34,7 @@ from hvdtrain.errors import ConfigError
 TASKS = ("digits", "pylm", "synthetic")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "step")
 COMPRESSION = ("none", "fp16", "bf16", "auto")
 # (layers, heads, embedding width): about 0.1M, 11M, 86M and 304M parameters at vocabulary 256.
 GPT_PRESETS = {"tiny": (2, 2, 64), "small": (6, 6, 384), "medium": (12, 12, 768), "large": (24, 16, 1024)}
@@ -94,7 +96,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     lr_scaling: str = "linear"  # lr x (ranks x accumulation) [linear], its square root [sqrt], or none
     warmup_steps: int = 0  # linear warm-up from the base lr to the scaled lr
-    schedule: str = "constant"  # after warm-up
+    schedule: str = "constant"  # after warm-up: constant | cosine (to 0 at the end) | step (x gamma at milestones)
+    milestones: str = ""  # schedule=step: comma-separated steps, e.g. "300,600" (adaptive: steps of the starting batch)
+    gamma: float = 0.1  # schedule=step: lr factor at each milestone
     clip_grad_norm: float = 0.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
@@ -103,6 +107,14 @@ class OptimConfig:
         _choice("optim", "schedule", self.schedule, SCHEDULES)
         if self.lr <= 0:
             raise ConfigError(f"optim.lr={self.lr!r} must be > 0")
+        if not 0.0 < self.gamma < 1.0:
+            raise ConfigError(f"optim.gamma={self.gamma!r} must be between 0 and 1 (exclusive)")
+        milestones = parse_milestones(self.milestones)
+        if self.schedule == "step" and not milestones:
+            raise ConfigError('optim.schedule=step needs optim.milestones, e.g. "300,600" (steps where the lr is '
+                              "multiplied by optim.gamma)")
+        if milestones and self.schedule != "step":
+            raise ConfigError(f"optim.milestones={self.milestones!r} needs optim.schedule=step (got {self.schedule!r})")
         for name in ("momentum", "weight_decay", "warmup_steps", "clip_grad_norm"):
             _at_least("optim", name, getattr(self, name), 0)
 
@@ -196,37 +208,13 @@ class Config:
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)
-        _check_combinations(self)
+        check_combinations(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def _check_combinations(c: Config) -> None:
-    """Settings that are valid alone but not together, refused before any rank starts."""
-    per_rank = c.train.batch_size * c.train.accumulation
-    if c.adaptive.enabled and c.adaptive.max_batch and c.adaptive.max_batch < per_rank:
-        raise ConfigError(f"adaptive.max_batch={c.adaptive.max_batch} is below the starting global batch "
-                          f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
-    if c.adaptive.enabled and c.elastic.enabled:
-        raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
-                          "need a new memory probe and a re-dealt variable batch); turn one off")
-    if c.elastic.enabled and c.memory.zero_stage:
-        # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
-        raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "
-                          "elastic.enabled=true; use zero_stage 0 for elastic runs")
-    if c.adaptive.enabled and (c.memory.zero_stage or c.memory.precision == "fp16"):
-        # The noise scale needs whole, unscaled gradients: ZeRO-2 keeps slices, fp16 scales them.
-        raise ConfigError("adaptive.enabled needs memory.zero_stage=0 and memory.precision fp32 or bf16")
-    if c.memory.trace_steps and not c.log.dir:
-        raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
-    if c.memory.zero_stage and c.memory.precision == "fp16":
-        # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
-        raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
-                          f"{c.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")
 
 
 def _coerce(path: str, value: Any, typ: Any) -> Any:
@@ -243,6 +231,8 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # YAML reads `--set optim.milestones=300` as a number
     raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; expected {typ.__name__}")
 
 

@@ -11,6 +11,7 @@ from hvdtrain.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ADAPTIVE_LR_RULES = ("adascale", "linear", "sqrt", "none")
+ADAPTIVE_POLICIES = ("goodput", "decay_to_batch")
 OOM_PHASES = ("forward", "backward")
 
 
@@ -22,6 +23,17 @@ def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
 def _at_least(section: str, name: str, value: float, low: float) -> None:
     if value < low:
         raise ConfigError(f"{section}.{name}={value!r} must be >= {low}")
+
+
+def parse_milestones(text: str) -> tuple[int, ...]:
+    """`"300,600"` -> (300, 600): positive, strictly increasing; ConfigError names optim.milestones."""
+    try:
+        steps = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        steps = (0,)
+    if any(s <= 0 for s in steps) or list(steps) != sorted(set(steps)):
+        raise ConfigError(f"optim.milestones={text!r} must be increasing positive steps, e.g. \"300,600\"")
+    return steps
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -69,6 +81,9 @@ class AdaptiveConfig:
     decide_every: int = 50  # optimizer steps between batch decisions
     warmup_steps: int = 100  # steps before the first decision (the estimators need data)
     smoothing: float = 0.999  # per starting-batch worth of samples; horizon = B0 / (1 - smoothing) samples
+    # goodput: B from the noise scale and measured step times; decay_to_batch (Smith et al. 2018): each
+    # lr decay of optim.schedule=step becomes B x 1/gamma instead (up to max_batch), lr factor B / B0.
+    policy: str = "goodput"
     lr_rule: str = "adascale"  # adascale (gain r; sqrt(r) for adam/adamw) | linear | sqrt | none (B / B0)
     hysteresis: float = 0.05  # switch only if the predicted goodput gain exceeds this fraction
     max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
@@ -86,6 +101,7 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         _choice("adaptive", "lr_rule", self.lr_rule, ADAPTIVE_LR_RULES)
+        _choice("adaptive", "policy", self.policy, ADAPTIVE_POLICIES)
         _choice("adaptive", "inject_oom_in", self.inject_oom_in, OOM_PHASES)
         for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb",
                      "inject_oom_above", "inject_oom_step"):
@@ -109,3 +125,33 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         _at_least("elastic", "commit_every", self.commit_every, 1)
+
+
+def check_combinations(c: Any) -> None:
+    """Settings that are valid alone but not together, refused before any rank starts."""
+    per_rank = c.train.batch_size * c.train.accumulation
+    if c.adaptive.enabled and c.adaptive.max_batch and c.adaptive.max_batch < per_rank:
+        raise ConfigError(f"adaptive.max_batch={c.adaptive.max_batch} is below the starting global batch "
+                          f"(ranks x train.batch_size x train.accumulation >= {per_rank}); raise it or set 0")
+    if c.adaptive.enabled and c.adaptive.policy == "decay_to_batch" and (
+            c.optim.schedule != "step" or c.adaptive.lr_rule in ("sqrt", "none")):
+        # The policy turns the schedule's decays into batch growth at lr factor B / B0 (the linear rule).
+        raise ConfigError("adaptive.policy=decay_to_batch needs optim.schedule=step with optim.milestones, and "
+                          f"adaptive.lr_rule adascale or linear (got schedule={c.optim.schedule!r}, "
+                          f"lr_rule={c.adaptive.lr_rule!r})")
+    if c.adaptive.enabled and c.elastic.enabled:
+        raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
+                          "need a new memory probe and a re-dealt variable batch); turn one off")
+    if c.elastic.enabled and c.memory.zero_stage:
+        # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
+        raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "
+                          "elastic.enabled=true; use zero_stage 0 for elastic runs")
+    if c.adaptive.enabled and (c.memory.zero_stage or c.memory.precision == "fp16"):
+        # The noise scale needs whole, unscaled gradients: ZeRO-2 keeps slices, fp16 scales them.
+        raise ConfigError("adaptive.enabled needs memory.zero_stage=0 and memory.precision fp32 or bf16")
+    if c.memory.trace_steps and not c.log.dir:
+        raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+    if c.memory.zero_stage and c.memory.precision == "fp16":
+        # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
+        raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
+                          f"{c.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")

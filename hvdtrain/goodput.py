@@ -119,3 +119,16 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
     if b_now < floor or goodput(best) >= (1 + lim.hysteresis) * goodput(current):
         return best
     return current
+
+
+def largest_divisor(n: int, at_most: float) -> int:
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
+
+
+def decayed_batch(lim: Limits, gamma: float, decays: int) -> tuple[int, int]:
+    """Smith et al.'s rule (adaptive.policy=decay_to_batch): after `decays` lr decays by `gamma`, the
+    global batch B0 / gamma^decays, capped at B_max (the lr keeps what the cap leaves of the decay);
+    (m, k) with the fewest micro-batches that fit the cap."""
+    per_rank = max(min(lim.max_batch, round(lim.base / gamma**decays)) // lim.ranks, lim.min_k)
+    m = largest_divisor(per_rank, min(lim.cap, per_rank / lim.min_k))
+    return m, per_rank // m

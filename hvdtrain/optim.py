@@ -2,7 +2,8 @@
 
 The rule is explicit: each parameter group's own lr is the base for one rank's batch; the target is
 base x f, with f = ranks x accumulation (`linear`, Goyal et al. 2017), its square root (`sqrt`), or
-1 (`none`). Warm-up ramps linearly from base to target; `cosine` then decays to zero by the last step.
+1 (`none`). Warm-up ramps linearly from base to target; `cosine` then decays to zero by the last step,
+`step` multiplies by gamma at each milestone.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from hvdtrain.config import OptimConfig
+from hvdtrain.config import OptimConfig, parse_milestones
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -40,14 +41,21 @@ class LRSchedule:
         self.factor = scale_factor(cfg.lr_scaling, ranks, accumulation)
         self.warmup = cfg.warmup_steps
         self.cosine = cfg.schedule == "cosine"
+        self.milestones, self.gamma = parse_milestones(cfg.milestones), cfg.gamma
         self.total = max(1, total_steps)
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
-    def multiplier(self, step: int) -> float:
-        """lr / base lr for optimizer step `step` (0-based)."""
+    def decays(self, step: float) -> int:
+        """How many step-schedule milestones lie at or before `step`."""
+        return sum(step >= m for m in self.milestones)
+
+    def multiplier(self, step: float) -> float:
+        """lr / base lr for optimizer step `step` (0-based; adaptive runs pass progress τ)."""
         if step < self.warmup:
             return 1.0 + (self.factor - 1.0) * (step + 1) / self.warmup
+        if self.milestones:
+            return self.factor * self.gamma ** self.decays(step)
         if not self.cosine:
             return self.factor
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))

@@ -155,3 +155,22 @@ def test_eval_every_counts_starting_batches_of_samples_as_the_batch_grows(world)
         seen += r["B"]
     evals = [r["step"] for r in result.history if r["kind"] == "eval"]
     assert evals == want and len(evals) >= 3
+
+
+def test_decay_to_batch_turns_each_lr_decay_into_batch_growth_until_the_cap(world):
+    # Smith et al.: B0 = ranks x 2 x 2; lr x0.5 at progress 4, 8 and 12 (steps of B0) becomes B x2,
+    # up to B_max = 4 B0, where the third decay stays in the lr.
+    cfg = adaptive_config(batch_size=2, accumulation=2, epochs=3, max_batch=16 * world.size)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule="step", milestones="4,8,12",
+                                                             gamma=0.5),
+                              adaptive=dataclasses.replace(cfg.adaptive, policy="decay_to_batch"))
+    result = hvdtrain.fit(world, mlp(seed=4), None, Indexed(96 * world.size), cfg, loss_fn=recording_loss([]))
+    b0 = 4 * world.size
+    got = [(r["step"], r["B"] // b0) for r in adaptive_records(result.history)][:9]
+    assert got == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (6, 2), (7, 4), (8, 4), (9, 4)]
+    lrs = [r["lr"] for r in result.history if r["kind"] == "train"][:9]
+    assert lrs[:7] == [0.2] * 7  # each decay so far was taken as batch growth
+    assert lrs[7:] == [0.1, 0.1]  # at the cap B grew x4 of the x8 asked: half of the third decay stays in the lr
+    changes = [(r["step"], r["new"]) for r in result.history if r.get("event") == "batch"]
+    every = world.allgather_object(changes, name="t.adaptive.decays")
+    assert all(c == changes for c in every)

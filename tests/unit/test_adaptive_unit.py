@@ -189,3 +189,21 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
 
     assert main(["bench", "adaptive", "--tasks", "nope"]) == 2
     assert "--tasks 'nope' is not allowed; choose from pylm, digits" in capsys.readouterr().err
+
+
+def test_decayed_batch_follows_gamma_up_to_the_cap():
+    from hvdtrain.goodput import Limits, decayed_batch
+
+    lim = Limits(ranks=2, base=8, max_batch=128, cap=16, min_k=1, hysteresis=0.0, max_growth=1.0, theta=0.0)
+    assert [decayed_batch(lim, 0.25, d) for d in range(4)] == [(4, 1), (16, 1), (16, 4), (16, 4)]
+    one = Limits(ranks=1, base=4, max_batch=64, cap=64, min_k=2, hysteresis=0.0, max_growth=1.0, theta=0.0)
+    assert decayed_batch(one, 0.5, 1) == (4, 2)  # one rank keeps two micro-batches for the noise scale
+
+
+def test_step_schedule_multiplies_by_gamma_at_each_milestone():
+    from hvdtrain.config import OptimConfig
+    from hvdtrain.optim import LRSchedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = LRSchedule(opt, OptimConfig(lr=1.0, schedule="step", milestones="3,5", gamma=0.5), 1, 1, 10)
+    assert [sched.multiplier(s) for s in range(7)] == [1, 1, 1, 0.5, 0.5, 0.25, 0.25]

@@ -36,6 +36,24 @@ def test_bad_values_name_field_and_allowed(override, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.schedule=step"], "optim.schedule=step needs optim.milestones"),
+    (["optim.milestones=300,600"], "optim.milestones='300,600' needs optim.schedule=step (got 'constant')"),
+    (["optim.schedule=step", "optim.milestones=600,300"], "optim.milestones='600,300' must be increasing positive"),
+    (["optim.schedule=step", "optim.milestones=a"], "optim.milestones='a' must be increasing positive"),
+    (["optim.gamma=1"], "optim.gamma=1.0 must be between 0 and 1"),
+    (["adaptive.policy=smith"], "adaptive.policy='smith' is not allowed; choose one of goodput, decay_to_batch"),
+    (["adaptive.enabled=true", "adaptive.policy=decay_to_batch"],
+     "adaptive.policy=decay_to_batch needs optim.schedule=step with optim.milestones"),
+    (["adaptive.enabled=true", "adaptive.policy=decay_to_batch", "adaptive.lr_rule=sqrt", "optim.schedule=step",
+      "optim.milestones=10"], "adaptive.lr_rule adascale or linear (got schedule='step', lr_rule='sqrt')"),
+])
+def test_schedule_and_policy_combinations_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        C.build(None, overrides)
+    assert message in str(info.value)
+
+
 def test_int_widens_to_float_and_yaml_scalars_parse():
     cfg = C.build(None, ["optim.lr=1", "train.shuffle=false", "checkpoint.dir=/tmp/x"])
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
