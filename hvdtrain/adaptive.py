@@ -214,7 +214,8 @@ class AdaptiveController:
             return False
         if finite:
             count = n * self.k
-            self.noise.update(total[0] / count, self.meter.global_sq(), count, self.m)
+            if self.meter.settled:
+                self.noise.update(total[0] / count, self.meter.global_sq(), count, self.m)
             self.times.record(self.m, total[2] / n / self.k, total[3] / n)
         return finite
 

@@ -55,18 +55,34 @@ class SampleAverage:
         self.total, self.weight = float(state["total"]), float(state["weight"])
 
 
+SPIKE = 10.0  # a step whose mean micro-batch |g|² exceeds this x its running average counts as this much
+
+
 class NoiseScale:
-    """Smoothed |G|² and tr(Σ), and the noise scale φ = tr(Σ)/|G|²."""
+    """Smoothed |G|² and tr(Σ), and the noise scale φ = tr(Σ)/|G|².
+
+    Both averages are linear in each step's estimates, so one step whose gradients are 100x the
+    usual (an early loss spike) dominates them for hundreds of steps and freezes φ at that step's
+    ratio (measured on pylm with Adam: φ held at 11.3 from step 13 to ~300 while the loss fell from
+    2.9 to 2.1). Such a step is scaled down, |G|² and tr(Σ) alike, to SPIKE x the running average
+    of the micro-batch |g|² (its own ratio is kept); ordinary steps are untouched, so the estimators
+    stay unbiased where the gradient scale moves smoothly."""
 
     def __init__(self, beta: float, unit: int) -> None:
         self.g2, self.trace = SampleAverage(beta, unit), SampleAverage(beta, unit)
+        self.local = SampleAverage(beta, unit)
         self.updates = 0
 
     def update(self, local_sq_mean: float, global_sq: float, count: int, micro_batch: int) -> None:
         g2, trace = estimate(local_sq_mean, global_sq, count, micro_batch)
+        usual = self.local.value
+        shrink = 1.0
+        if self.updates >= 3 and usual > 0 and local_sq_mean > SPIKE * usual:
+            shrink = SPIKE * usual / local_sq_mean
         samples = count * micro_batch
-        self.g2.update(g2, samples)
-        self.trace.update(trace, samples)
+        self.g2.update(g2 * shrink, samples)
+        self.trace.update(trace * shrink, samples)
+        self.local.update(local_sq_mean * shrink, samples)
         self.updates += 1
 
     @property
@@ -80,12 +96,18 @@ class NoiseScale:
         return max(trace, 0.0) / g2
 
     def state_dict(self) -> dict[str, object]:
-        return {"g2": self.g2.state_dict(), "trace": self.trace.state_dict(), "updates": self.updates}
+        return {"g2": self.g2.state_dict(), "trace": self.trace.state_dict(), "local": self.local.state_dict(),
+                "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.g2.load_state_dict(state["g2"])  # type: ignore[arg-type]
         self.trace.load_state_dict(state["trace"])  # type: ignore[arg-type]
+        if "local" in state:  # absent in checkpoints from before 3 December: the guard restarts empty
+            self.local.load_state_dict(state["local"])  # type: ignore[arg-type]
         self.updates = int(state["updates"])  # type: ignore[arg-type]
+
+
+FLOOR_WEIGHT = 10.0  # no element's weight 1/sqrt(v̂) exceeds this / its tensor's mean sqrt(v̂)
 
 
 class GradNormMeter:
@@ -125,6 +147,12 @@ class GradNormMeter:
             self._current = sq if self._current is None else self._current + sq
         return hook
 
+    @property
+    def settled(self) -> bool:
+        """False while Adam's state does not exist yet: the step is measured in the raw geometry,
+        which a preconditioned average must not mix with (|g|² differs by orders of magnitude)."""
+        return not self.precondition or bool(self.scale)
+
     def begin_step(self) -> None:
         """Before a step's first micro-batch: freeze this step's preconditioner, clear the totals."""
         self.scale = self._preconditioner() if self.precondition else {}
@@ -155,18 +183,29 @@ class GradNormMeter:
         return float(total)
 
     def _preconditioner(self) -> dict[int, torch.Tensor]:
-        out = {}
+        roots = {}
         beta2 = self.optimizer.param_groups[0]["betas"][1]
         eps = self.optimizer.param_groups[0]["eps"]
         for p in self.params:
             state = self.optimizer.state.get(p, {})
             if "exp_avg_sq" not in state:
                 continue
-            step = float(state["step"])
-            v_hat = state["exp_avg_sq"].double() / (1 - beta2 ** step)
-            out[id(p)] = 1.0 / (v_hat.sqrt() + eps)
+            roots[id(p)] = (state["exp_avg_sq"].double() / (1 - beta2 ** float(state["step"]))).sqrt()
         # All or nothing: a mix of raw and preconditioned parameters measures neither geometry.
-        return out if len(out) == len(self.params) else {}
+        if len(roots) != len(self.params):
+            return {}
+        # An element whose v̂ is still ~0 (an embedding row no batch has used yet) would be weighted
+        # 1/eps ~ 1e8 and swamp both estimates for hundreds of steps (measured on pylm: the noise
+        # scale stuck at its step-13 value until step ~300). Adam itself puts the current gradient
+        # into v̂ before stepping, so it never divides by ~0; here the weight is capped at
+        # FLOOR_WEIGHT x the tensor's typical one. The cap is fixed for the step, so every
+        # micro-batch and the average are still measured in one linear geometry (no bias).
+        overall = torch.stack([r.mean() for r in roots.values()]).mean()
+        out = {}
+        for key, root in roots.items():
+            typical = root.mean() if bool(root.mean() > 0) else overall
+            out[key] = 1.0 / (torch.clamp(root, min=float(typical) / FLOOR_WEIGHT) + eps)
+        return out
 
     def remove(self) -> None:
         for h in self._hooks:

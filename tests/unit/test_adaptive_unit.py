@@ -207,3 +207,44 @@ def test_step_schedule_multiplies_by_gamma_at_each_milestone():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = LRSchedule(opt, OptimConfig(lr=1.0, schedule="step", milestones="3,5", gamma=0.5), 1, 1, 10)
     assert [sched.multiplier(s) for s in range(7)] == [1, 1, 1, 0.5, 0.5, 0.25, 0.25]
+
+
+def test_adam_preconditioner_caps_elements_adam_has_not_seen_yet():
+    from hvdtrain.gns import FLOOR_WEIGHT, GradNormMeter
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+    opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+    emb(torch.tensor([0, 1, 2])).sum().backward()  # rows 3..9 get no gradient: v̂ stays 0 there
+    opt.step()
+    weights = GradNormMeter(emb.parameters(), opt, precondition=True)._preconditioner()[id(emb.weight)]
+    root = (opt.state[emb.weight]["exp_avg_sq"] / (1 - 0.999)).sqrt().double()
+    assert float(weights.max()) <= FLOOR_WEIGHT / float(root.mean()) * (1 + 1e-9)  # not 1/eps = 1e8
+    seen = root > 0
+    torch.testing.assert_close(weights[seen], 1 / (root[seen] + 1e-8))  # used rows: Adam's own geometry
+
+
+def _phi_after_spike(monkeypatch, spike_guard: float) -> tuple[float, float]:
+    from hvdtrain import gns
+
+    monkeypatch.setattr(gns, "SPIKE", spike_guard)
+    ns = NoiseScale(0.99, 8)
+    for _ in range(50):  # |G|² = 0.5, tr(Σ) = 4: φ = 8
+        ns.update(local_sq_mean=1.5, global_sq=1.0, count=2, micro_batch=4)
+    ns.update(local_sq_mean=150.0, global_sq=100.0, count=2, micro_batch=4)  # a 100x gradient spike
+    for _ in range(100):  # |G|² = 0.1, tr(Σ) = 7.2: φ = 72
+        ns.update(local_sq_mean=1.9, global_sq=1.0, count=2, micro_batch=4)
+    steady = NoiseScale(0.99, 8)
+    for _ in range(50):
+        steady.update(local_sq_mean=1.5, global_sq=1.0, count=2, micro_batch=4)
+    for _ in range(100):
+        steady.update(local_sq_mean=1.9, global_sq=1.0, count=2, micro_batch=4)
+    return ns.phi, steady.phi
+
+
+def test_one_gradient_spike_does_not_freeze_the_noise_scale(monkeypatch):
+    guarded, steady = _phi_after_spike(monkeypatch, 10.0)
+    unguarded, _ = _phi_after_spike(monkeypatch, math.inf)
+    assert steady > 30  # the run without a spike has moved well on from 8 towards 72
+    assert unguarded < 0.6 * steady  # the spike's weight holds φ back towards its own ratio of 8
+    assert guarded > 0.85 * steady
