@@ -203,8 +203,8 @@ class GradNormMeter:
         overall = torch.stack([r.mean() for r in roots.values()]).mean()
         out = {}
         for key, root in roots.items():
-            typical = root.mean() if bool(root.mean() > 0) else overall
-            out[key] = 1.0 / (torch.clamp(root, min=float(typical) / FLOOR_WEIGHT) + eps)
+            typical = float(root.mean()) or float(overall)  # a tensor Adam has not seen at all: the overall mean
+            out[key] = 1.0 / (torch.clamp(root, min=typical / FLOOR_WEIGHT) + eps)
         return out
 
     def remove(self) -> None:
