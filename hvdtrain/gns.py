@@ -200,11 +200,13 @@ class GradNormMeter:
         # into v̂ before stepping, so it never divides by ~0; here the weight is capped at
         # FLOOR_WEIGHT x the tensor's typical one. The cap is fixed for the step, so every
         # micro-batch and the average are still measured in one linear geometry (no bias).
-        overall = torch.stack([r.mean() for r in roots.values()]).mean()
+        # Tensor arithmetic only: a .item() per parameter would stall a GPU every step.
+        means = {key: root.mean() for key, root in roots.items()}
+        overall = torch.stack(list(means.values())).mean()
         out = {}
         for key, root in roots.items():
-            typical = float(root.mean()) or float(overall)  # a tensor Adam has not seen at all: the overall mean
-            out[key] = 1.0 / (torch.clamp(root, min=typical / FLOOR_WEIGHT) + eps)
+            typical = torch.where(means[key] > 0, means[key], overall)  # a tensor Adam has not seen: overall
+            out[key] = 1.0 / (torch.maximum(root, typical / FLOOR_WEIGHT) + eps)
         return out
 
     def remove(self) -> None:
