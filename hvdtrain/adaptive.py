@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from hvdtrain import goodput
+from hvdtrain import goodput, optim
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError, TrainingStopped
@@ -261,7 +261,7 @@ class AdaptiveController:
     def _follow_decays(self, step: int, log: TrainLog) -> None:
         # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same
         # step and take the same (m, k) without a collective.
-        decays = sum(self.tau >= t for t in self.milestones)
+        decays = optim.decays(self.milestones, self.tau)
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k, 0.0, 1.0, 0.0)
         m, k = goodput.decayed_batch(lim, self.cfg.optim.gamma, decays)
         self._change(step, m, k, log, f"lr decay {decays} taken as batch growth")

@@ -31,6 +31,11 @@ def scale_factor(rule: str, ranks: int, accumulation: int) -> float:
     return {"linear": float(f), "sqrt": math.sqrt(f), "none": 1.0}[rule]
 
 
+def decays(milestones: tuple[int, ...], step: float) -> int:
+    """How many step-schedule milestones lie at or before `step` (an adaptive run passes progress τ)."""
+    return sum(step >= m for m in milestones)
+
+
 class LRSchedule:
     """Sets every group's lr from its base lr for a given optimizer step; stateless apart from the
     base lrs, which live in the optimizer's own param groups (`initial_lr`) and so in its checkpoint."""
@@ -46,16 +51,12 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
-    def decays(self, step: float) -> int:
-        """How many step-schedule milestones lie at or before `step`."""
-        return sum(step >= m for m in self.milestones)
-
     def multiplier(self, step: float) -> float:
         """lr / base lr for optimizer step `step` (0-based; adaptive runs pass progress τ)."""
         if step < self.warmup:
             return 1.0 + (self.factor - 1.0) * (step + 1) / self.warmup
         if self.milestones:
-            return self.factor * self.gamma ** self.decays(step)
+            return self.factor * self.gamma ** decays(self.milestones, step)
         if not self.cosine:
             return self.factor
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
