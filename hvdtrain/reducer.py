@@ -56,9 +56,8 @@ class HookedBuckets:
         raise NotImplementedError
 
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """After the optimizer step (all the trainer calls): by default the optimizer's own."""
-        if optimizer is not None:
-            optimizer.zero_grad()
+        """After the optimizer step; the trainer calls this instead of `optimizer.zero_grad()`."""
+        raise NotImplementedError
 
 
 class GradReducer(HookedBuckets):

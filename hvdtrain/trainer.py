@@ -279,8 +279,11 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                 sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
             log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
             memprof.record(step, log, step % cfg.log.every == 0 or done or end_of_epoch)
-            every = (ctl.due(tc.eval_every) if ctl else step % tc.eval_every == 0) if tc.eval_every else None
-            if eval_set is not None and (every if every is not None else end_of_epoch or done):
+            if tc.eval_every:  # in B0-steps of samples when the batch changes (adaptive)
+                eval_now = ctl.due(tc.eval_every) if ctl else step % tc.eval_every == 0
+            else:
+                eval_now = end_of_epoch or done
+            if eval_set is not None and eval_now:
                 result.eval = evaluate(world, model, eval_set, loss_fn, tc.batch_size)
                 log.evaluated(step, epoch, tc.epochs, result.eval)
             if ckpt.due(step, end_of_epoch, done):
