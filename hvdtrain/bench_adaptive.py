@@ -186,7 +186,12 @@ def run(args: argparse.Namespace) -> int:
     if bad or args.seeds < 1:
         raise ConfigError(f"--tasks {bad[0]!r} is not allowed; choose from {', '.join(TASKS)}" if bad
                           else "--seeds must be >= 1")
-    targets = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.targets.split(",") if kv)}
+    try:
+        targets = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.targets.split(",") if kv)}
+    except ValueError:
+        raise ConfigError(f"--targets {args.targets!r}: expected TASK=LOSS,..., e.g. pylm=1.6") from None
+    if set(targets) - set(TASKS):
+        raise ConfigError(f"--targets names {sorted(set(targets) - set(TASKS))}; choose from {', '.join(TASKS)}")
     variants = _variants(args.variants)
     world = World.init()
     for name in names:

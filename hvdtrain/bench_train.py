@@ -146,7 +146,6 @@ def _launch(cmds: list[list[str]], env: dict[str, str], timeout: float, kind: st
 
 def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
              plan: dict[str, Any]) -> list[list[str]]:
-    bin_dir = Path(sys.executable).parent
     worker = ["-m", "hvdtrain.bench_loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
               "--warmup", str(args.warmup)] + [a for kv in args.overrides for a in ("--set", kv)]
     hosts = plan["hosts"].get(np)
@@ -154,12 +153,18 @@ def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
         return _ddp_over_ssh(hosts, worker, args, plan["env"])
     if mode == "ddp":  # as DDP users launch it
         return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np}", *worker]]
+    return [_horovodrun(ctrl, np, plan) + worker]
+
+
+def _horovodrun(ctrl: str, np: int, plan: dict[str, Any]) -> list[str]:
+    """horovodrun up to the Python interpreter, on this host or across --hosts."""
+    hosts = plan["hosts"].get(np)
     where = ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)] if hosts else []
     if hosts and ctrl == "mpi":  # as `hvdtrain launch` runs it across hosts
         from hvdtrain.launch import MPI_RING_ARGS
 
         where.append(f"--mpi-args={MPI_RING_ARGS}")
-    return [[str(bin_dir / "horovodrun"), "-np", str(np), *where, f"--{ctrl}", sys.executable, *worker]]
+    return [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np), *where, f"--{ctrl}", sys.executable]
 
 
 def _ddp_over_ssh(hosts: list[Any], worker: list[str], args: argparse.Namespace,
@@ -217,9 +222,8 @@ def _ring_probe(task: str, np: int, ctrl: str, params: int, plan: dict[str, Any]
                 args: argparse.Namespace) -> dict[str, float]:
     """Latency alpha (s per message) and bandwidth beta (bytes/s) from two timed allreduces at np."""
     size = params * 4
-    cmd = _command("horovod", ctrl, np, task, args, plan)[0]
-    cmd[cmd.index("hvdtrain.bench_loops"):] = ["hvdtrain.cli", "bench", "allreduce", "--sizes", f"4,{size}",
-                                               "--modes", "fp32", "--iters", "10"]
+    cmd = _horovodrun(ctrl, np, plan) + ["-m", "hvdtrain.cli", "bench", "allreduce", "--sizes", f"4,{size}",
+                                         "--modes", "fp32", "--iters", "10"]
     recs = {r["bytes"]: r["time_s"] for r in _launch([cmd], plan["env"], args.timeout, "allreduce")}
     hops = 2 * (np - 1)
     alpha = recs[4] / hops
