@@ -38,7 +38,7 @@ def test_gpu_branch_uses_cuda_torch_nccl_build_and_nccl_check(tmp_path):
     assert "HOROVOD_WITHOUT_GPU" not in build and "--no-build-isolation" in build
     assert "CMAKE_CXX_STANDARD 17" in step(lines, "apply C++17 fix")
     # The wheel cache is keyed on the CUDA tag, so a CPU wheel is never installed on a GPU host.
-    assert re.search(r"/cache/horovod-0\.28\.1-.*-cu126'/horovod-\*\.whl", step(lines, "install horovod wheel"))
+    assert re.search(r"/cache/horovod-0\.28\.1r\d+-.*-cu126'/horovod-\*\.whl", step(lines, "install horovod wheel"))
     assert step(lines, "check:").endswith("shows PyTorch, MPI, Gloo, NCCL")
 
 
@@ -47,6 +47,9 @@ def test_cpu_branch_has_no_cuda_index_and_no_nccl(tmp_path):
     assert step(lines, "install torch").endswith("pip install torch==2.13.0")
     build = step(lines, "build horovod wheel")
     assert " HOROVOD_WITHOUT_GPU=1 " in build and "NCCL" not in build
+    # Gloo's vectorised fp16 sum: without it an fp16 allreduce over Gloo is CPU-bound (install.sh).
+    avx = step(lines, "enable Gloo's AVX fp16 sum")
+    assert "set(USE_AVX ON)" in avx and "-DGLOO_USE_AVX=1" in avx and "gloo/math.cc" in avx
     assert step(lines, "check:").endswith("shows PyTorch, MPI, Gloo")
 
 
