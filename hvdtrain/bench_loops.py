@@ -158,16 +158,20 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
     task.model.to(world.device)
     step = {"hvdtrain": _hvdtrain_step, "horovod": _horovod_step, "ddp": _ddp_step}[mode](world, task, cfg)
     batches = _batches(world, task, cfg, warmup + steps)
-    times, losses = [], []
+    times, cpus, losses = [], [], []
     for i, batch in enumerate(batches):
         _sync(world.device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         loss = step(batch)
         _sync(world.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            # CPU of every thread of this rank (Horovod's background thread, Gloo's, DDP's reducer):
+            # on shared cores what one way burns besides compute is what it takes from the others.
+            cpus.append(time.process_time() - cpu)
         losses.append(loss.clone())  # outside the timed window; hvdtrain's running sum is updated in place
-    mine = (statistics.median(times), statistics.fmean(times), min(times), max(times), socket.gethostname())
+    mine = (statistics.median(times), statistics.fmean(times), min(times), max(times), socket.gethostname(),
+            statistics.median(cpus))
     every = gather(mine)
     if mode == "ddp":
         _close_ddp()
@@ -181,7 +185,8 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
             "global_batch": world.size * cfg.train.batch_size, "steps": steps, "warmup": warmup,
             "step_s": slowest[0], "mean_s": slowest[1], "step_min_s": slowest[2], "step_max_s": slowest[3],
             "rank_medians_s": [e[0] for e in every],
-            "rank_hosts": [e[4] for e in every], "last_loss": last, "threads": torch.get_num_threads()}
+            "rank_hosts": [e[4] for e in every], "rank_cpu_s": [e[5] for e in every],
+            "last_loss": last, "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:

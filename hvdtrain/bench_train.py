@@ -198,7 +198,8 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "global_batch": first["global_batch"], "step_s": statistics.median(steps), "step_min_s": min(steps),
             "step_max_s": max(steps), "repeats": len(steps), "steps_per_repeat": first["steps"],
             "samples_per_s": first["global_batch"] / statistics.median(steps),
-            "last_loss": statistics.median(r["last_loss"] for r in runs), "hosts": first.get("hosts")}
+            "last_loss": statistics.median(r["last_loss"] for r in runs), "hosts": first.get("hosts"),
+            "cpu_per_rank_step_s": statistics.median(statistics.fmean(r["rank_cpu_s"]) for r in runs)}
 
 
 def _ratios(rec: dict[str, Any], by_key: dict[tuple, dict[str, Any]], rounds: dict[tuple, list]) -> None:
