@@ -1,0 +1,80 @@
+"""hvdtrain's step against the hand-written Horovod loop, interleaved in one process.
+
+`hvdtrain bench train` launches each way separately, and on a shared machine launch-to-launch
+noise (±25% on 4 December) hides a few percent. Here both ways live in one process on the same
+batches: blocks of steps alternate (ABAB, then BABA, ...) so drift in machine speed hits both
+alike, and the result is the median of per-round ratios. One JSON line per task.
+
+    horovodrun -np 1 --gloo python benchmarks/step_overhead.py --tasks digits,pylm
+    horovodrun -np 1 --mpi  python benchmarks/step_overhead.py --tasks digits,pylm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from hvdtrain import config as config_mod
+from hvdtrain.bench_loops import _batches, _horovod_step, _hvdtrain_step
+from hvdtrain.tasks import build_task
+from hvdtrain.world import World
+
+
+def _block(step: Any, batches: list[Any], start: int, count: int) -> float:
+    """Median seconds per step over `count` steps (the next batches, wrapping)."""
+    times = []
+    for i in range(count):
+        t = time.perf_counter()
+        step(batches[(start + i) % len(batches)])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(world: World, task_name: str, rounds: int, block: int) -> dict[str, Any]:
+    cfg = config_mod.build(None, [], task=task_name)
+    steps = {}
+    for way, make in (("hvdtrain", _hvdtrain_step), ("horovod", _horovod_step)):
+        task = build_task(cfg)  # a model and optimizer of its own per way, same initial weights
+        task.model.to(world.device)
+        steps[way] = (make(world, task, cfg), task)
+    batches = _batches(world, steps["hvdtrain"][1], cfg, 50)
+    for step, _ in steps.values():  # warm-up: allocator, autograd graph, Horovod's first collectives
+        _block(step, batches, 0, 10)
+    per: dict[str, list[float]] = {"hvdtrain": [], "horovod": []}
+    for r in range(rounds):
+        order = ("hvdtrain", "horovod") if r % 2 == 0 else ("horovod", "hvdtrain")
+        for way in order:
+            per[way].append(_block(steps[way][0], batches, r * block, block))
+    ratios = [a / b for a, b in zip(per["hvdtrain"], per["horovod"], strict=True)]
+    return {"kind": "step-overhead", "task": task_name, "np": world.size, "rounds": rounds, "block": block,
+            "hvdtrain_step_s": statistics.median(per["hvdtrain"]),
+            "horovod_step_s": statistics.median(per["horovod"]),
+            "ratio_median": statistics.median(ratios),
+            "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tasks", default="digits,pylm")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--block", type=int, default=20)
+    args = p.parse_args()
+    world = World.init(threads=1)
+    torch.manual_seed(0)
+    for name in args.tasks.split(","):
+        record = measure(world, name, args.rounds, args.block)
+        if world.is_root:
+            import horovod.torch as hvd
+
+            record["controller"] = "gloo" if hvd.gloo_enabled() else "mpi"
+            print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
