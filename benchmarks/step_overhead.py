@@ -17,10 +17,8 @@ import statistics
 import time
 from typing import Any
 
-import torch
-
 from hvdtrain import config as config_mod
-from hvdtrain.bench_loops import _batches, _horovod_step, _hvdtrain_step
+from hvdtrain.bench_loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step
 from hvdtrain.tasks import build_task
 from hvdtrain.world import World
 
@@ -64,15 +62,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--block", type=int, default=20)
     args = p.parse_args()
-    world = World.init(threads=1)
-    torch.manual_seed(0)
+    world, _, controller = _horovod_world("hvdtrain")  # World.init with the toolkit's defaults, one thread
     for name in args.tasks.split(","):
-        record = measure(world, name, args.rounds, args.block)
+        record = measure(world, name, args.rounds, args.block)  # build_task seeds: same weights per way
         if world.is_root:
-            import horovod.torch as hvd
-
-            record["controller"] = "gloo" if hvd.gloo_enabled() else "mpi"
-            print(json.dumps(record), flush=True)
+            print(json.dumps({**record, "controller": controller}), flush=True)
     return 0
 
 

@@ -82,12 +82,11 @@ def markdown(results: list[dict[str, Any]], scaling: list[dict[str, Any]], args:
              "| task | np | way | params | median step ms | min-max ms | samples/s | CPU ms per rank-step "
              "| vs horovod (paired) | vs ddp (paired) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        cpu = _fmt(r["cpu_per_rank_step_s"] * 1e3, 2) if "cpu_per_rank_step_s" in r else ""
         vs = [f"{_fmt(r.get(f'vs_{k}'))} ({_fmt(r.get(f'vs_{k}_paired'))})" if f"vs_{k}" in r else ""
               for k in ("horovod", "ddp")]
         lines.append(f"| {r['task']} | {r['np']} | {_way(r)} | {r['params']} | {r['step_s'] * 1e3:.2f} | "
                      f"{r['step_min_s'] * 1e3:.2f}-{r['step_max_s'] * 1e3:.2f} | {r['samples_per_s']:.1f} | "
-                     f"{cpu} | {vs[0]} | {vs[1]} |")
+                     f"{r['cpu_per_rank_step_s'] * 1e3:.2f} | {vs[0]} | {vs[1]} |")
     lines += ["", "| task | way | np | samples/s | efficiency | ring-model samples/s | ring-model efficiency |",
               "|---|---|---|---|---|---|---|"]
     for r in scaling:

@@ -19,12 +19,17 @@ def test_bench_train_runs_the_three_ways_on_the_same_steps(tmp_path):
     assert {r["backend"] for r in runs} == {"gloo"} and all(r["threads"] == 1 for r in runs)
     assert all(r["np"] == 2 and r["global_batch"] == 2 * r["batch_per_rank"] and r["steps"] == 2 for r in runs)
     assert len({r["params"] for r in runs}) == 1
+    # CPU per step of each rank, all its threads: positive, one per rank, bounded by the step's wall
+    # time times the threads that could run (a rank's compute thread plus its communication threads).
+    assert all(len(r["rank_cpu_s"]) == 2 and all(0 < c < 10 * r["step_max_s"] for c in r["rank_cpu_s"]) for r in runs)
     # Same weights, batches and optimizer: all three ways reach the same loss (up to summation order).
     assert all(math.isclose(r["last_loss"], runs[0]["last_loss"], rel_tol=1e-4) for r in runs)
     summary = {r["mode"]: r for r in recs if r["bench"] == "train"}
     assert set(summary) == {"hvdtrain", "horovod", "ddp"}
     for r in summary.values():
         assert r["step_min_s"] <= r["step_s"] <= r["step_max_s"] and r["repeats"] == 1
+        run_of_mode = next(x for x in runs if x["mode"] == r["mode"])
+        assert math.isclose(r["cpu_per_rank_step_s"], sum(run_of_mode["rank_cpu_s"]) / 2)
     hv = summary["hvdtrain"]
     assert math.isclose(hv["vs_horovod"], hv["step_s"] / summary["horovod"]["step_s"])
     assert math.isclose(hv["vs_ddp"], hv["step_s"] / summary["ddp"]["step_s"])
@@ -32,7 +37,8 @@ def test_bench_train_runs_the_three_ways_on_the_same_steps(tmp_path):
     for name in ("step_times.png", "scaling.png"):
         with Image.open(tmp_path / name) as img:
             img.verify()
-    assert "| digits | 2 | hvdtrain/gloo |" in (tmp_path / "summary.md").read_text()
+    text = (tmp_path / "summary.md").read_text()
+    assert "| digits | 2 | hvdtrain/gloo |" in text and "| CPU ms per rank-step |" in text
 
 
 def test_bench_train_rejects_an_unknown_mode():
