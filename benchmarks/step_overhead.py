@@ -5,6 +5,9 @@ noise (±25% on 4 December) hides a few percent. Here both ways live in one proc
 batches: blocks of steps alternate (ABAB, then BABA, ...) so drift in machine speed hits both
 alike, and the result is the median of per-round ratios. One JSON line per task.
 
+`--tasks fixed` measures what each way adds per step regardless of the model: a one-layer 8x8 model
+on 4 samples, so the step is almost all framework, beside the same step in plain PyTorch.
+
     horovodrun -np 1 --gloo python benchmarks/step_overhead.py --tasks digits,pylm
     horovodrun -np 1 --mpi  python benchmarks/step_overhead.py --tasks digits,pylm
 """
@@ -17,8 +20,13 @@ import statistics
 import time
 from typing import Any
 
+import torch
+from torch import nn
+
 from hvdtrain import config as config_mod
-from hvdtrain.bench_loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step
+from hvdtrain.bench_loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step, _plain_step
+from hvdtrain.metrics import MetricSums
+from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import build_task
 from hvdtrain.world import World
 
@@ -56,6 +64,47 @@ def measure(world: World, task_name: str, rounds: int, block: int) -> dict[str, 
             "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2]}
 
 
+def _tiny_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y), {}
+
+
+def _tiny_step(world: World, way: str) -> Any:
+    import horovod.torch as hvd
+
+    from hvdtrain.trainer import train_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if way == "torch":
+        return _plain_step(model, optimizer, _tiny_loss)
+    if way == "horovod":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return _plain_step(model, optimizer, _tiny_loss)
+    reducer, sums = GradReducer(world, model.named_parameters()), MetricSums()
+    return lambda batch: train_step(model, optimizer, reducer, [batch], _tiny_loss, sums, 0.0, world.device)
+
+
+def measure_fixed(world: World, rounds: int, block: int) -> dict[str, Any]:
+    """Microseconds per step of each way on a model too small to matter (medians over rounds)."""
+    ways = ("hvdtrain", "horovod", "torch")
+    steps = {way: _tiny_step(world, way) for way in ways}
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    per: dict[str, list[float]] = {way: [] for way in ways}
+    for r in range(rounds + 1):
+        for way in ways if r % 2 == 0 else ways[::-1]:
+            t = time.perf_counter()
+            for _ in range(block * 10):
+                steps[way](batch)
+            if r:  # round 0 warms up
+                per[way].append((time.perf_counter() - t) / (block * 10) * 1e6)
+    us = {way: statistics.median(v) for way, v in per.items()}
+    return {"kind": "step-fixed-cost", "np": world.size, "rounds": rounds, "steps_per_block": block * 10,
+            **{f"{way}_us": round(v, 1) for way, v in us.items()},
+            "hvdtrain_minus_horovod_us": round(us["hvdtrain"] - us["horovod"], 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tasks", default="digits,pylm")
@@ -64,7 +113,8 @@ def main() -> int:
     args = p.parse_args()
     world, _, controller = _horovod_world("hvdtrain")  # World.init with the toolkit's defaults, one thread
     for name in args.tasks.split(","):
-        record = measure(world, name, args.rounds, args.block)  # build_task seeds: same weights per way
+        record = measure_fixed(world, args.rounds, args.block) if name == "fixed" else \
+            measure(world, name, args.rounds, args.block)  # build_task seeds: same weights per way
         if world.is_root:
             print(json.dumps({**record, "controller": controller}), flush=True)
     return 0

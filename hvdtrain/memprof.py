@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,15 @@ from hvdtrain.world import World
 CATEGORIES = ("params", "grads", "optimizer", "activations", "peak")
 
 
+@functools.cache
+def _cuda() -> bool:
+    # torch.cuda.is_available() costs ~7 us a call on CPU, and a step opens four ranges.
+    return torch.cuda.is_available()
+
+
 def nvtx_range(name: str) -> contextlib.AbstractContextManager:
     """An NVTX range for Nsight Systems on CUDA; nothing on CPU."""
-    return torch.cuda.nvtx.range(name) if torch.cuda.is_available() else contextlib.nullcontext()
+    return torch.cuda.nvtx.range(name) if _cuda() else contextlib.nullcontext()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -13,6 +13,7 @@ error feedback per bucket, and one agreed skip decision when the reduced gradien
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -193,8 +194,8 @@ def _all_finite(flats: list[torch.Tensor]) -> bool:
     ~0.16 ms of digits' ~3 ms step at one rank."""
     if not flats:
         return True
-    total = torch.stack([f.sum() for f in flats]).sum()
-    return bool(torch.isfinite(total)) or all(bool(torch.isfinite(f).all()) for f in flats)
+    total = flats[0].sum() if len(flats) == 1 else torch.stack([f.sum() for f in flats]).sum()
+    return math.isfinite(total.item()) or all(bool(torch.isfinite(f).all()) for f in flats)
 
 
 def _bucketize(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:

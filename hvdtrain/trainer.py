@@ -54,6 +54,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_FP32 = Precision()  # stateless in fp32: one for every call that passes no precision
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
@@ -104,7 +107,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
 
     `rank_samples` (global batch / ranks): each micro-batch's mean loss is weighted by its size over
     it, which keeps the average exact when shares are uneven; None: equal micro-batches, weight 1/k."""
-    precision = precision or Precision()
+    precision = precision or _FP32
     for j, batch in enumerate(micro_batches):
         beat(f"forward/backward of micro-batch {j} (loss_fn)", False)
         reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
