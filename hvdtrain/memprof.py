@@ -12,7 +12,6 @@ each step through /proc/self/clear_refs) on CPU, which also counts the interpret
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hvdtrain.allocator import malloc_trim
 from hvdtrain.config import Config, parse_steps
 from hvdtrain.world import World
 
@@ -59,15 +59,6 @@ def _proc_status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024
     return out
-
-
-def _malloc_trim() -> None:
-    # glibc keeps freed blocks for reuse, so without a trim the resident set stays at the largest
-    # earlier step and a smaller step's peak cannot show. A no-op where libc is not glibc.
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class ActivationMeter:
@@ -187,7 +178,9 @@ class MemoryProfiler:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.world.device)
             return
-        _malloc_trim()
+        # Freed heap blocks would keep the resident set at the largest earlier step, so a smaller
+        # step's peak could not show.
+        malloc_trim()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS

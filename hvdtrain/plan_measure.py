@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from hvdtrain.allocator import malloc_trim
 from hvdtrain.world import World
 
 
 def _rss_reset() -> None:
+    malloc_trim()  # freed heap blocks (kept by glibc, more so when pinned) are not part of the peak
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hvdtrain.allocator import pin_malloc
 from hvdtrain.errors import EnvironmentProblem
 
 _OPS = ("sum", "average", "max", "min")
@@ -70,6 +71,7 @@ class World:
             device = torch.device("cuda", local_rank)
         else:
             device = torch.device("cpu")
+            pin_malloc(os.environ)  # CPU steps re-fault their large buffers each step otherwise
         if threads is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // local_size)
         if threads:
