@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -158,9 +159,10 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
     task.model.to(world.device)
     step = {"hvdtrain": _hvdtrain_step, "horovod": _horovod_step, "ddp": _ddp_step}[mode](world, task, cfg)
     batches = _batches(world, task, cfg, warmup + steps)
-    times, cpus, losses = [], [], []
+    times, cpus, faults, losses = [], [], [], []
     for i, batch in enumerate(batches):
         _sync(world.device)
+        minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu = time.perf_counter(), time.process_time()
         loss = step(batch)
         _sync(world.device)
@@ -169,9 +171,11 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
             # CPU of every thread of this rank (Horovod's background thread, Gloo's, DDP's reducer):
             # on shared cores what one way burns besides compute is what it takes from the others.
             cpus.append(time.process_time() - cpu)
+            # Pages the kernel faulted in (and zeroed) for this rank during the step: the allocator's churn.
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minflt)
         losses.append(loss.clone())  # outside the timed window; hvdtrain's running sum is updated in place
     mine = (statistics.median(times), statistics.fmean(times), min(times), max(times), socket.gethostname(),
-            statistics.median(cpus))
+            statistics.median(cpus), statistics.median(faults))
     every = gather(mine)
     if mode == "ddp":
         _close_ddp()
@@ -186,6 +190,7 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
             "step_s": slowest[0], "mean_s": slowest[1], "step_min_s": slowest[2], "step_max_s": slowest[3],
             "rank_medians_s": [e[0] for e in every],
             "rank_hosts": [e[4] for e in every], "rank_cpu_s": [e[5] for e in every],
+            "rank_minor_faults": [e[6] for e in every],
             "last_loss": last, "threads": torch.get_num_threads()}
 
 

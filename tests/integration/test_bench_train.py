@@ -22,6 +22,7 @@ def test_bench_train_runs_the_three_ways_on_the_same_steps(tmp_path):
     # CPU per step of each rank, all its threads: positive, one per rank, bounded by the step's wall
     # time times the threads that could run (a rank's compute thread plus its communication threads).
     assert all(len(r["rank_cpu_s"]) == 2 and all(0 < c < 10 * r["step_max_s"] for c in r["rank_cpu_s"]) for r in runs)
+    assert all(len(r["rank_minor_faults"]) == 2 and all(f >= 0 for f in r["rank_minor_faults"]) for r in runs)
     # Same weights, batches and optimizer: all three ways reach the same loss (up to summation order).
     assert all(math.isclose(r["last_loss"], runs[0]["last_loss"], rel_tol=1e-4) for r in runs)
     summary = {r["mode"]: r for r in recs if r["bench"] == "train"}
