@@ -4,9 +4,9 @@ A CPU training step allocates and frees the same large tensors every step (activ
 logits and their gradient). glibc serves blocks above its mmap threshold (dynamic, 128 KiB up to
 32 MiB) with a fresh mmap and gives heap memory back to the kernel once more than its trim
 threshold is free at the top, so each step faults those pages in again and the kernel zeroes
-them: on pylm at one rank, 150-680 minor faults a step, and its time swings with where the
-allocator happens to stand. With a 64 MiB mmap threshold and a 128 MiB trim threshold the blocks
-stay in the heap and are reused (~5 faults a step). The price: up to 128 MiB of freed memory per
+them: on pylm at one rank, 60-680 minor faults a step in six runs, and its time swings with where
+the allocator happens to stand. With a 64 MiB mmap threshold and a 128 MiB trim threshold the blocks
+stay in the heap and are reused (0-6 faults a step). The price: up to 128 MiB of freed memory per
 arena stays resident, as PyTorch's CUDA caching allocator keeps freed device memory.
 
 Set from `World.init` on CPU-only processes (GPU steps allocate in CUDA's own caching allocator),
@@ -18,6 +18,7 @@ environment variables, which glibc reads only at process start.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Mapping
 
 MMAP_THRESHOLD = 64 << 20
@@ -26,6 +27,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbe
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
+@functools.cache  # the memory profiler trims every step
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
