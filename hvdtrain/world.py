@@ -57,7 +57,8 @@ class World:
 
     @classmethod
     def init(cls, threads: int | None = None) -> World:
-        """Initialise Horovod (size 1 without a launcher), pin the local GPU, split CPU threads.
+        """Initialise Horovod (size 1 without a launcher), pin the local GPU, split CPU threads; on CPU,
+        pin glibc's malloc thresholds (`hvdtrain.allocator`; `HVDTRAIN_MALLOC=system` opts out).
 
         Without `OMP_NUM_THREADS` or `threads`, each rank gets cores / local ranks intra-op threads:
         PyTorch's default (all cores per rank) oversubscribes the node and slows every rank.
