@@ -41,21 +41,27 @@ def _block(step: Any, batches: list[Any], start: int, count: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved(steps: dict[str, Any], batches: list[Any], rounds: int, block: int) -> dict[str, list[float]]:
+    """Each way's median seconds per step in each round's block; the order of the ways reverses
+    every round, so drift in the machine's speed hits every way alike."""
+    for step in steps.values():  # warm-up: allocator, autograd graph, Horovod's first collectives
+        _block(step, batches, 0, max(10, block // 10))
+    ways = list(steps)
+    per: dict[str, list[float]] = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in ways if r % 2 == 0 else ways[::-1]:
+            per[way].append(_block(steps[way], batches, r * block, block))
+    return per
+
+
 def measure(world: World, task_name: str, rounds: int, block: int) -> dict[str, Any]:
     cfg = config_mod.build(None, [], task=task_name)
-    steps = {}
+    steps, tasks = {}, []
     for way, make in (("hvdtrain", _hvdtrain_step), ("horovod", _horovod_step)):
-        task = build_task(cfg)  # a model and optimizer of its own per way, same initial weights
-        task.model.to(world.device)
-        steps[way] = (make(world, task, cfg), task)
-    batches = _batches(world, steps["hvdtrain"][1], cfg, 50)
-    for step, _ in steps.values():  # warm-up: allocator, autograd graph, Horovod's first collectives
-        _block(step, batches, 0, 10)
-    per: dict[str, list[float]] = {"hvdtrain": [], "horovod": []}
-    for r in range(rounds):
-        order = ("hvdtrain", "horovod") if r % 2 == 0 else ("horovod", "hvdtrain")
-        for way in order:
-            per[way].append(_block(steps[way][0], batches, r * block, block))
+        tasks.append(build_task(cfg))  # a model and optimizer of its own per way, same initial weights
+        tasks[-1].model.to(world.device)
+        steps[way] = make(world, tasks[-1], cfg)
+    per = _interleaved(steps, _batches(world, tasks[0], cfg, 50), rounds, block)
     ratios = [a / b for a, b in zip(per["hvdtrain"], per["horovod"], strict=True)]
     return {"kind": "step-overhead", "task": task_name, "np": world.size, "rounds": rounds, "block": block,
             "hvdtrain_step_s": statistics.median(per["hvdtrain"]),
@@ -88,18 +94,9 @@ def _tiny_step(world: World, way: str) -> Any:
 
 def measure_fixed(world: World, rounds: int, block: int) -> dict[str, Any]:
     """Microseconds per step of each way on a model too small to matter (medians over rounds)."""
-    ways = ("hvdtrain", "horovod", "torch")
-    steps = {way: _tiny_step(world, way) for way in ways}
-    batch = (torch.randn(4, 8), torch.randn(4, 8))
-    per: dict[str, list[float]] = {way: [] for way in ways}
-    for r in range(rounds + 1):
-        for way in ways if r % 2 == 0 else ways[::-1]:
-            t = time.perf_counter()
-            for _ in range(block * 10):
-                steps[way](batch)
-            if r:  # round 0 warms up
-                per[way].append((time.perf_counter() - t) / (block * 10) * 1e6)
-    us = {way: statistics.median(v) for way, v in per.items()}
+    steps = {way: _tiny_step(world, way) for way in ("hvdtrain", "horovod", "torch")}
+    per = _interleaved(steps, [(torch.randn(4, 8), torch.randn(4, 8))], rounds, block * 10)
+    us = {way: statistics.median(v) * 1e6 for way, v in per.items()}
     return {"kind": "step-fixed-cost", "np": world.size, "rounds": rounds, "steps_per_block": block * 10,
             **{f"{way}_us": round(v, 1) for way, v in us.items()},
             "hvdtrain_minus_horovod_us": round(us["hvdtrain"] - us["horovod"], 1)}

@@ -51,7 +51,22 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _proc_status() -> dict[str, int]:
+def reset_peak_rss() -> bool:
+    """Reset the process's VmHWM to its current RSS; False where /proc/self/clear_refs is not
+    writable (some sandboxes), so VmHWM stays the lifetime peak. Freed heap blocks that glibc keeps
+    (more of them once `allocator.pin_malloc` ran) are given back first, or the resident set would
+    stay at the largest earlier step and a smaller step's peak could not show."""
+    malloc_trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def proc_status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -178,21 +193,13 @@ class MemoryProfiler:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.world.device)
             return
-        # Freed heap blocks would keep the resident set at the largest earlier step, so a smaller
-        # step's peak could not show.
-        malloc_trim()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self._rss_reset = True
-        except OSError:
-            self._rss_reset = False
+        self._rss_reset = reset_peak_rss()
 
     def _read_peak(self) -> dict[str, Any]:
         if self.cuda:
             return {"peak": torch.cuda.max_memory_allocated(self.world.device),
                     "reserved": torch.cuda.memory_reserved(self.world.device)}
-        status = _proc_status()
+        status = proc_status()
         # Without clear_refs (some sandboxes) VmHWM is the lifetime peak: still an upper bound.
         return {"peak": status["VmHWM"], "rss": status["VmRSS"], "peak_is_lifetime": not self._rss_reset}
 

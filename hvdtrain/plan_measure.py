@@ -14,25 +14,8 @@ from typing import Any
 
 import torch
 
-from hvdtrain.allocator import malloc_trim
+from hvdtrain.memprof import proc_status, reset_peak_rss
 from hvdtrain.world import World
-
-
-def _rss_reset() -> None:
-    malloc_trim()  # freed heap blocks (kept by glibc, more so when pinned) are not part of the peak
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -59,8 +42,8 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     model = task.model.to(world.device)
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(max(1, steps)))]
-    rss_built = _status_kib("VmRSS") * 1024  # the model and data are built; no gradient or state yet
-    _rss_reset()
+    rss_built = proc_status()["VmRSS"]  # the model and data are built; no gradient or state yet
+    reset_peak_rss()
     optimizer = build_optimizer(model, cfg.optim)
     if stage:
         reducer = ZeroReducer(world, model.named_parameters(), stage, cfg.comm.compression, cfg.comm.bucket_mb)
@@ -82,7 +65,7 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     numels = [b["numel"] for b in reducer.buckets] if stage else [sum(p.numel() for p in b) for b in reducer.buckets]
     comm = _comm_seconds(world, numels, stage)
     held["total"] = sum(held.values())
-    held["peak_rss"] = _status_kib("VmHWM") * 1024
+    held["peak_rss"] = proc_status()["VmHWM"]
     held["rss_after_model_build"] = rss_built
     held["step_s"] = statistics.median(times)
     every = world.allgather_object(held, name="hvdtrain.plan.measured")
