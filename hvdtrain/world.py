@@ -102,6 +102,19 @@ class World:
         hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
         return hvd.allreduce(tensor, name=name, op=hvd_op)
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str, op: str = "sum") -> Any:
+        """Start a reduction (never compressed); `wait(handle)` returns the result. Horovod negotiates
+        it in the same cycle as the collectives already in flight, so it costs no round of its own.
+        All ranks must call."""
+        if op not in _OPS:
+            raise ValueError(f"op={op!r}; choose one of {_OPS}")
+        hvd = _import_horovod()
+        hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
+        return hvd.allreduce_async(tensor, name=name, op=hvd_op)
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        return _import_horovod().synchronize(handle)
+
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """Rank `root`'s object on every rank. All ranks must call."""
         return _import_horovod().broadcast_object(obj, root_rank=root, name=name)

@@ -217,11 +217,12 @@ def test_adam_preconditioner_caps_elements_adam_has_not_seen_yet():
     opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
     emb(torch.tensor([0, 1, 2])).sum().backward()  # rows 3..9 get no gradient: v̂ stays 0 there
     opt.step()
-    weights = GradNormMeter(emb.parameters(), opt, precondition=True)._preconditioner()[id(emb.weight)]
+    weights = GradNormMeter(emb.parameters(), opt, precondition=True)._preconditioner()[id(emb.weight)].double()
     root = (opt.state[emb.weight]["exp_avg_sq"] / (1 - 0.999)).sqrt().double()
-    assert float(weights.max()) <= FLOOR_WEIGHT / float(root.mean()) * (1 + 1e-9)  # not 1/eps = 1e8
+    assert float(weights.max()) <= FLOOR_WEIGHT / float(root.mean()) * (1 + 1e-6)  # not 1/eps = 1e8
     seen = root > 0
-    torch.testing.assert_close(weights[seen], 1 / (root[seen] + 1e-8))  # used rows: Adam's own geometry
+    # Used rows: Adam's own geometry (the weights are kept in the state's fp32).
+    torch.testing.assert_close(weights[seen], 1 / (root[seen] + 1e-8), rtol=1e-6, atol=0)
 
 
 def _phi_after_spike(monkeypatch, spike_guard: float) -> tuple[float, float]:
