@@ -88,7 +88,8 @@ class AdaptiveController:
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
         self.last: dict[str, float] = {}
-        self._oom_here, self._clock, self._micro_seconds, self._last_sync = False, 0.0, 0.0, 0.0
+        self._oom_here, self._clock, self._micro_seconds, self._compute = False, 0.0, 0.0, 0.0
+        self._began, self._last_sync, self._last_rest = 0.0, 0.0, 0.0
         sampler.variable = True
         self._apply(self.m, self.k)
 
@@ -114,6 +115,7 @@ class AdaptiveController:
             self.run_probe()
         epoch = self.sampler.epoch
         while self.sampler.epoch == epoch and not self.sampler.epoch_done:
+            self._began = time.perf_counter()
             yield self._fetch()
 
     def _fetch(self) -> list[Any]:
@@ -197,11 +199,12 @@ class AdaptiveController:
             self.injector.fire(self.m)
 
     def _synchronize(self, inner: Any) -> bool:
-        """The stats allreduce [Σ|g_j|², oom, compute s, last step's sync s] and the gradient buckets.
-        All ranks call. The stats are started before waiting on the buckets, so Horovod negotiates
-        them in the buckets' cycle: as a separate allreduce after them it cost a whole round (~3 ms
-        a step over Gloo on pylm). Everything in them is known once backward ends; the bucket wait
-        is not, so the previous step's is sent (the step-time model averages it anyway)."""
+        """The stats allreduce [Σ|g_j|², oom, compute s, previous step's sync s and rest s], then the
+        gradient buckets. All ranks call. The stats are started before the bucket wait, so Horovod
+        negotiates them in the buckets' cycle (a separate allreduce after them cost a round of its
+        own, ~3 ms a step over Gloo on pylm); the wait itself is known only after, so the previous
+        step's goes, with the rest of that step's time (data, optimizer step, bookkeeping), which a
+        larger batch amortises and the step-time model must therefore see."""
         start = time.perf_counter()
         compute = self._micro_seconds + (start - self._clock if self._clock else 0.0)
         if self._oom_here:
@@ -209,7 +212,9 @@ class AdaptiveController:
                 p.grad = None  # zero-filled by the reducer
         local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
-        stats = torch.tensor([local, float(self._oom_here), compute, self._last_sync], dtype=torch.float64)
+        self._compute = compute
+        stats = torch.tensor([local, float(self._oom_here), compute, self._last_sync, self._last_rest],
+                             dtype=torch.float64)
         handle = self.world.allreduce_async(stats, name="hvdtrain.adaptive.stats", op="sum")
         finite = inner.synchronize()
         self._last_sync = time.perf_counter() - start
@@ -222,7 +227,7 @@ class AdaptiveController:
             count = n * self.k
             if self.meter.settled:
                 self.noise.update(total[0] / count, self.meter.global_sq(), count, self.m)
-            self.times.record(self.m, total[2] / n / self.k, total[3] / n)
+            self.times.record(self.m, total[2] / n / self.k, (total[3] + total[4]) / n)
         return finite
 
     # ---- after the step ----
@@ -243,6 +248,8 @@ class AdaptiveController:
         loss = f"{log.last['loss']:.4f}" if "loss" in log.last else "-"
         log.bar.set_postfix(loss=loss, B=self.batch, m=self.m, k=self.k, lr=f"x{self.lr_factor:.2f}",
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
+        if self._began:
+            self._last_rest = max(time.perf_counter() - self._began - self._compute - self._last_sync, 0.0)
         if self.milestones:
             self._follow_decays(step, log)
         elif step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
