@@ -3,11 +3,12 @@
 Statistical efficiency of a global batch B relative to the starting batch B0 is
 E(B) = (φ + B0)/(φ + B) with φ the noise scale; AdaScale's gain r = (1 + φ/B0)/(1 + φ/B) = E·B/B0 is
 how many B0-steps of progress one step at B is worth. Goodput = (B / step time) · E(B); the step time
-of k micro-batches of m samples is modelled as k·(α + β·m) + t_sync from measured timings.
+of k micro-batches of m samples is modelled as k·t(m) + t_rest from measured timings.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ def lr_factor(rule: str, adam: bool, phi: float, batch: int, base: int) -> float
 
 @dataclass
 class StepTimeModel:
-    """Per-micro-batch seconds by m (smoothed) and the sync time; least-squares fit of α + β·m."""
+    """Per-micro-batch seconds by measured m (smoothed) and the rest of a step (bucket wait,
+    optimizer step, data): one number, paid once per step whatever k is."""
 
     micro: dict[int, float]
     sync: float = 0.0
@@ -46,21 +48,28 @@ class StepTimeModel:
         self.micro[m] = per_micro if old is None else keep * old + (1 - keep) * per_micro
         self.sync = sync if self.sync == 0.0 else keep * self.sync + (1 - keep) * sync
 
-    def fit(self) -> tuple[float, float]:
+    def micro_time(self, m: int) -> float:
+        """Seconds for one micro-batch of m: the measured value, else linear between the nearest
+        measured sizes (extended with the end segments' slopes). A least-squares line through all
+        sizes, as before 4 December, could put the intercept at 0, pricing 64 micro-batches of 1
+        like 2 of 32; below the smallest measured size the per-sample time is held at that size's."""
+        if m in self.micro:
+            return self.micro[m]
         ms = sorted(self.micro)
         if not ms:
-            return 0.0, 1.0
+            return float(m)
         if len(ms) == 1:
-            return 0.0, self.micro[ms[0]] / ms[0]  # one size seen: assume time proportional to m
-        mean_m = sum(ms) / len(ms)
-        mean_t = sum(self.micro[m] for m in ms) / len(ms)
-        var = sum((m - mean_m) ** 2 for m in ms)
-        beta = max(sum((m - mean_m) * (self.micro[m] - mean_t) for m in ms) / var, 1e-12)
-        return max(mean_t - beta * mean_m, 0.0), beta
+            return self.micro[ms[0]] * m / ms[0]  # one size seen: assume time proportional to m
+        i = min(max(bisect.bisect_left(ms, m), 1), len(ms) - 1)
+        lo, hi = ms[i - 1], ms[i]
+        slope = (self.micro[hi] - self.micro[lo]) / (hi - lo)
+        t = self.micro[lo] + slope * (m - lo)
+        if m < ms[0]:
+            t = max(t, self.micro[ms[0]] * m / ms[0])
+        return max(t, 1e-12)
 
     def step_time(self, m: int, k: int) -> float:
-        alpha, beta = self.fit()
-        return k * (alpha + beta * m) + self.sync
+        return k * self.micro_time(m) + self.sync
 
     def state_dict(self) -> dict[str, object]:
         return {"micro": [[m, t] for m, t in sorted(self.micro.items())], "sync": self.sync}
@@ -113,7 +122,10 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
     floor = phi / lim.theta**2 if lim.theta > 0 else 0.0
     floor = min(floor, max(batch(c) for c in window))  # the norm test can ask for more than allowed
     allowed = [c for c in window if batch(c) >= floor]
-    best = max(allowed, key=lambda c: (goodput(c), c[0]))
+    # Candidates within rounding of the best are equal: take the largest micro-batch among them
+    # (fewer, larger kernels), not whichever the last bit favoured.
+    top = max(goodput(c) for c in allowed)
+    best = max((c for c in allowed if goodput(c) >= top * (1 - 1e-9)), key=lambda c: (c[0], -c[1]))
     if best == current:
         return current
     if b_now < floor or goodput(best) >= (1 + lim.hysteresis) * goodput(current):

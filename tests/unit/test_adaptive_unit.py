@@ -249,3 +249,16 @@ def test_one_gradient_spike_does_not_freeze_the_noise_scale(monkeypatch):
     assert steady > 30  # the run without a spike has moved well on from 8 towards 72
     assert unguarded < 0.6 * steady  # the spike's weight holds φ back towards its own ratio of 8
     assert guarded > 0.85 * steady
+
+
+def test_step_time_model_prices_tiny_micro_batches_by_the_measured_fixed_cost():
+    # Measured: 9.5 ms at m=4, 13.3 at 8, 72 at 64 (pylm, 4 December). A least-squares line through
+    # these has its intercept near 0 and priced 64 micro-batches of 1 like 2 of 32.
+    times = goodput.StepTimeModel({4: 0.0095, 8: 0.0133, 64: 0.072}, sync=0.005)
+    assert times.micro_time(8) == 0.0133
+    assert times.micro_time(1) >= 0.0095 / 4  # per sample never cheaper than the smallest measured
+    assert times.step_time(1, 64) > 3 * times.step_time(32, 2)
+    assert times.micro_time(32) == pytest.approx(0.0133 + (0.072 - 0.0133) / 56 * 24)
+    # Equal goodput (alpha = 0, same B): the largest micro-batch wins, not the last bit.
+    flat = goodput.StepTimeModel({4: 0.4, 8: 0.8})
+    assert goodput.decide(limits(hysteresis=0.0), flat, 1e6, (4, 2), [1, 2, 4, 8]) in {(8, 1), (8, 2)}
