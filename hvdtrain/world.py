@@ -96,21 +96,13 @@ class World:
 
     def allreduce(self, tensor: torch.Tensor, name: str, op: str = "sum") -> torch.Tensor:
         """Reduce a tensor across ranks (never compressed). All ranks must call."""
-        if op not in _OPS:
-            raise ValueError(f"op={op!r}; choose one of {_OPS}")
-        hvd = _import_horovod()
-        hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
-        return hvd.allreduce(tensor, name=name, op=hvd_op)
+        return _import_horovod().allreduce(tensor, name=name, op=_hvd_op(op))
 
     def allreduce_async(self, tensor: torch.Tensor, name: str, op: str = "sum") -> Any:
         """Start a reduction (never compressed); `wait(handle)` returns the result. Horovod negotiates
         it in the same cycle as the collectives already in flight, so it costs no round of its own.
         All ranks must call."""
-        if op not in _OPS:
-            raise ValueError(f"op={op!r}; choose one of {_OPS}")
-        hvd = _import_horovod()
-        hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
-        return hvd.allreduce_async(tensor, name=name, op=hvd_op)
+        return _import_horovod().allreduce_async(tensor, name=name, op=_hvd_op(op))
 
     def wait(self, handle: Any) -> torch.Tensor:
         return _import_horovod().synchronize(handle)
@@ -130,3 +122,10 @@ class World:
     def barrier(self) -> None:
         """Wait until every rank arrives. All ranks must call."""
         self.allreduce(torch.zeros(1), name="hvdtrain.barrier")
+
+
+def _hvd_op(op: str) -> Any:
+    if op not in _OPS:
+        raise ValueError(f"op={op!r}; choose one of {_OPS}")
+    hvd = _import_horovod()
+    return {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
