@@ -225,6 +225,35 @@ def test_adam_preconditioner_caps_elements_adam_has_not_seen_yet():
     torch.testing.assert_close(weights[seen], 1 / (root[seen] + 1e-8), rtol=1e-6, atol=0)
 
 
+def test_adam_preconditioner_is_rebuilt_every_step_early_then_at_most_every_refresh_max_steps():
+    from hvdtrain.gns import REFRESH_MAX
+
+    torch.manual_seed(0)
+    model = mlp(seed=2)
+    x, y = blobs(n=32).tensors
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    meter = GradNormMeter(model.parameters(), opt, precondition=True)
+    rebuilt, last = [], None
+    for step in range(400):
+        meter.begin_step()
+        if meter.scale and meter.scale is not last:
+            rebuilt.append(step)
+            want = meter._preconditioner()  # what a rebuild now would give: the frozen one it replaced matches
+            for p in model.parameters():
+                torch.testing.assert_close(meter.scale[id(p)], want[id(p)], rtol=0, atol=0)
+        last = meter.scale
+        meter.next_micro_batch()
+        opt.zero_grad()
+        classification_loss(model, (x, y))[0].backward()
+        meter.local_sum(1.0)
+        opt.step()
+    assert meter.scale  # Adam's state existed from step 1 on
+    assert rebuilt[:20] == list(range(1, 21))  # v̂ moves fast while it averages few steps
+    gaps = [b - a for a, b in zip(rebuilt, rebuilt[1:])]
+    assert max(gaps) == REFRESH_MAX and gaps == sorted(gaps)
+    meter.remove()
+
+
 def _phi_after_spike(monkeypatch, spike_guard: float) -> tuple[float, float]:
     from hvdtrain import gns
 
