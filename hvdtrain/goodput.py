@@ -45,8 +45,8 @@ class StepTimeModel:
 
     def record(self, m: int, per_micro: float, sync: float, keep: float = 0.8) -> None:
         old = self.micro.get(m)
-        self.micro[m] = per_micro if old is None else keep * old + (1 - keep) * per_micro
-        self.sync = sync if self.sync == 0.0 else keep * self.sync + (1 - keep) * sync
+        self.micro[m] = per_micro if old is None else _smooth(old, per_micro, keep)
+        self.sync = sync if self.sync == 0.0 else _smooth(self.sync, sync, keep)
 
     def micro_time(self, m: int) -> float:
         """Seconds for one micro-batch of m: the measured value, else linear between the nearest
@@ -77,6 +77,13 @@ class StepTimeModel:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.micro = {int(m): float(t) for m, t in state["micro"]}  # type: ignore[union-attr]
         self.sync = float(state["sync"])  # type: ignore[arg-type]
+
+
+def _smooth(old: float, new: float, keep: float) -> float:
+    """Moving average that takes one step's time at no more than 2x (or 1/2) the average: a step
+    stretched 10x by a neighbour on the host (or a collection pause) would otherwise move it 2.8x and
+    price that micro-batch out of the next decision; a real change still gets through in a few steps."""
+    return keep * old + (1 - keep) * min(max(new, old / 2), 2 * old)
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,29 @@ def test_probe_bisects_to_the_injected_limit_and_respects_a_memory_budget():
     assert 10 <= cap <= 14 and free.step(cap) <= budget
 
 
+def test_probe_keeps_the_fastest_run_of_each_size(monkeypatch):
+    from hvdtrain import memprobe
+
+    ticks = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # runs of 5, 1 and 3 s at the same size
+    monkeypatch.setattr(memprobe.time, "perf_counter", lambda: next(ticks))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    injector = FaultInjector(AdaptiveConfig(), 0)
+    prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), injector)
+    for _ in range(3):
+        prober.step(4)
+    assert prober.seconds[4] == 1.0  # not the last (3 s) nor the first, allocating one (5 s)
+
+
+def test_step_time_model_shrugs_off_one_stretched_step_but_follows_a_real_change():
+    times = goodput.StepTimeModel({8: 0.010}, sync=0.005)
+    times.record(8, 0.100, 0.005)  # one step 10x slower (a neighbour, a collection pause)
+    assert times.micro_time(8) == pytest.approx(0.012)  # taken at 2x: +20%, not +180%
+    for _ in range(12):  # the micro-batch really became 3x slower
+        times.record(8, 0.030, 0.005)
+    assert times.micro_time(8) == pytest.approx(0.030, rel=0.1)
+
+
 def test_oom_classification():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
