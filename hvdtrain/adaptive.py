@@ -130,7 +130,7 @@ class AdaptiveController:
         self.cap, self.probed = result.cap, True
         self.sizes = sorted(set(self.sizes) | set(result.seconds))
         for m, seconds in result.seconds.items():
-            self.times.record(m, seconds, 0.0, keep=0.0)
+            self.times.record_probe(m, seconds)
         per_rank = self.m * self.k
         if self.m > self.cap or self.m < result.preferred:
             m = goodput.largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))

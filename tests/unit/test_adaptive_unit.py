@@ -200,6 +200,30 @@ def test_step_time_model_shrugs_off_one_stretched_step_but_follows_a_real_change
     assert times.micro_time(8) == pytest.approx(0.030, rel=0.1)
 
 
+def test_step_time_model_prices_unrun_sizes_by_the_probe_scaled_to_training_conditions():
+    # The probe's times (pylm, 4 December): m=8 20 ms, m=16 33 ms; in training m=16 ran at ~43 ms
+    # (the step's collectives beside the backward, the norm hooks). Compared raw, B=16 at m=8's
+    # probe time looked better than the B=32 being run; at the same 1.3x it is not.
+    times = goodput.StepTimeModel({})
+    for m, t in {4: 0.018, 8: 0.020, 16: 0.033, 32: 0.071}.items():
+        times.record_probe(m, t)
+    assert times.micro_time(32) == 0.071  # nothing run yet: the probe's shape as it is
+    for _ in range(30):
+        times.record(16, 0.043, 0.015)
+    assert times.micro_time(16) == pytest.approx(0.043, rel=0.01)
+    assert times.micro_time(32) == pytest.approx(0.071 * 0.043 / 0.033, rel=0.01)
+    lim = limits(hysteresis=0.05)
+    assert goodput.decide(lim, times, 40.0, (16, 1), [4, 8, 16, 32]) == (16, 1)
+    raw = goodput.StepTimeModel({4: 0.018, 8: 0.020, 16: 0.043, 32: 0.071}, sync=times.sync)
+    assert goodput.decide(lim, raw, 40.0, (16, 1), [4, 8, 16, 32]) == (8, 1)
+    times.record(4, 0.018, 0.015)  # a size's first sample is clipped against its prediction
+    assert times.micro_time(4) == pytest.approx(0.8 * 0.018 * 0.043 / 0.033 + 0.2 * 0.018, rel=0.01)
+    assert times.micro_time(8) == pytest.approx(0.020 * times.micro_time(4) / 0.018, rel=0.01)  # nearest: 4
+    restored = goodput.StepTimeModel({})
+    restored.load_state_dict(times.state_dict())
+    assert restored == times
+
+
 def test_oom_classification():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
