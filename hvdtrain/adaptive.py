@@ -3,17 +3,16 @@ progress τ (steps of the starting batch B0 worth of progress); global batch B =
 
 Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp64
 stats allreduce per optimizer step attempt, started before the gradient buckets are waited on (so it
-rides in their negotiation cycle); on decision steps (every D
-steps after warm-up, by the step counter alone) one broadcast of rank 0's decision. An OOM on one
-rank never skips a collective: that rank zero-fills its gradients and still synchronizes, and the
-OOM flag inside the stats allreduce makes every rank skip the attempt and retry the same samples
-with a smaller m and a larger k (same B, same LR).
+rides in their negotiation cycle); on decision steps (every D steps after warm-up, by the step
+counter alone) one broadcast of rank 0's decision. An OOM on one rank never skips a collective:
+that rank zero-fills its gradients and still synchronizes, and the OOM flag inside the stats
+allreduce makes every rank skip the attempt and retry the same samples with a smaller m and a
+larger k (same B, same LR).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,23 +55,12 @@ class AdaptiveController:
                  reducer: Any, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: Any,
                  step_fn: Callable[..., bool]) -> None:
         ac, tc = cfg.adaptive, cfg.train
-        if tc.batch_size <= 0 or tc.accumulation <= 0:
-            raise ConfigError(f"train.batch_size={tc.batch_size} and train.accumulation={tc.accumulation} must be >= 1")
         self.world, self.cfg, self.ac = world, cfg, ac
         self.model, self.optimizer, self.sampler, self.dataset = model, optimizer, sampler, dataset
         self.loss_fn, self.step_fn = loss_fn, step_fn
-        self.base = world.size * tc.batch_size * tc.accumulation
-        self.max_batch = min(ac.max_batch or 16 * self.base, len(dataset))  # type: ignore[arg-type]
-        if self.max_batch < self.base:
-            raise ConfigError(f"adaptive.max_batch={ac.max_batch} is below the starting global batch {self.base} "
-                              f"({world.size} ranks x {tc.batch_size} x {tc.accumulation}); raise it or set 0")
-        per_rank = tc.batch_size * tc.accumulation
-        self.min_k = 2 if world.size == 1 else 1
-        if per_rank < self.min_k:
-            raise ConfigError("adaptive batch sizing on one rank needs train.batch_size x train.accumulation >= 2 "
-                              "(the noise scale compares two micro-batches per step)")
-        self.m = tc.batch_size if tc.accumulation >= self.min_k else goodput.largest_divisor(per_rank, per_rank / 2)
-        self.k = per_rank // self.m
+        samples = len(dataset)  # type: ignore[arg-type]
+        shape = goodput.start_shape(world.size, tc.batch_size, tc.accumulation, ac.max_batch, samples)
+        self.base, self.max_batch, self.min_k, self.m, self.k = shape
         self.cap = ac.max_micro_batch or self.max_batch // world.size
         self.sizes = [tc.batch_size * 2**i for i in range(12)] + [max(1, tc.batch_size // 2**i) for i in range(1, 6)]
         self.adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
@@ -88,8 +76,7 @@ class AdaptiveController:
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
         self.last: dict[str, float] = {}
-        self._oom_here, self._clock, self._micro_seconds, self._compute = False, 0.0, 0.0, 0.0
-        self._began, self._last_sync, self._last_rest = 0.0, 0.0, 0.0
+        self._oom_here, self.clock = False, goodput.StepClock()
         sampler.variable = True
         self._apply(self.m, self.k)
 
@@ -115,7 +102,7 @@ class AdaptiveController:
             self.run_probe()
         epoch = self.sampler.epoch
         while self.sampler.epoch == epoch and not self.sampler.epoch_done:
-            self._began = time.perf_counter()
+            self.clock.step_begins()
             yield self._fetch()
 
     def _fetch(self) -> list[Any]:
@@ -156,7 +143,8 @@ class AdaptiveController:
         while True:
             attempt = MetricSums()
             self.meter.begin_step()
-            self._oom_here, self._clock, self._micro_seconds = False, 0.0, 0.0
+            self._oom_here = False
+            self.clock.attempt_begins()
             try:
                 finite = self.step_fn(model, optimizer, self.proxy, micro_batches, loss_fn, attempt, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised
@@ -185,10 +173,7 @@ class AdaptiveController:
         self._apply(m, per_rank // m)  # same B, so the same LR and the same samples
 
     def _micro_batch_starts(self) -> None:
-        now = time.perf_counter()
-        if self._clock:
-            self._micro_seconds += now - self._clock
-        self._clock = now
+        self.clock.micro_batch_begins()
         self.meter.next_micro_batch()
         if self.injector.armed(self.m, "forward"):
             self.injector.fire(self.m)
@@ -205,19 +190,17 @@ class AdaptiveController:
         own, ~3 ms a step over Gloo on pylm); the wait itself is known only after, so the previous
         step's goes, with the rest of that step's time (data, optimizer step, bookkeeping), which a
         larger batch amortises and the step-time model must therefore see."""
-        start = time.perf_counter()
-        compute = self._micro_seconds + (start - self._clock if self._clock else 0.0)
+        compute = self.clock.sync_begins()
         if self._oom_here:
             for p in self.model.parameters():
                 p.grad = None  # zero-filled by the reducer
         local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
-        self._compute = compute
-        stats = torch.tensor([local, float(self._oom_here), compute, self._last_sync, self._last_rest],
+        stats = torch.tensor([local, float(self._oom_here), compute, self.clock.sync, self.clock.rest],
                              dtype=torch.float64)
         handle = self.world.allreduce_async(stats, name="hvdtrain.adaptive.stats", op="sum")
         finite = inner.synchronize()
-        self._last_sync = time.perf_counter() - start
+        self.clock.sync_done()
         total = self.world.wait(handle).tolist()
         n = self.world.size
         self.last["oom"] = float(total[1] > 0)
@@ -248,8 +231,7 @@ class AdaptiveController:
         loss = f"{log.last['loss']:.4f}" if "loss" in log.last else "-"
         log.bar.set_postfix(loss=loss, B=self.batch, m=self.m, k=self.k, lr=f"x{self.lr_factor:.2f}",
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
-        if self._began:
-            self._last_rest = max(time.perf_counter() - self._began - self._compute - self._last_sync, 0.0)
+        self.clock.step_done()
         if self.milestones:
             self._follow_decays(step, log)
         elif step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:

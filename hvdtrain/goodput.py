@@ -1,4 +1,4 @@
-"""Batch-size decisions from the noise scale and a throughput model (pure functions, no collectives).
+"""Batch-size decisions from the noise scale and a throughput model (no collectives).
 
 Statistical efficiency of a global batch B relative to the starting batch B0 is
 E(B) = (φ + B0)/(φ + B) with φ the noise scale; AdaScale's gain r = (1 + φ/B0)/(1 + φ/B) = E·B/B0 is
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass, field
+
+from hvdtrain.errors import ConfigError
 
 
 def gain(phi: float, batch: int, base: int) -> float:
@@ -112,6 +115,42 @@ def _smooth(old: float, new: float, keep: float) -> float:
     return keep * old + (1 - keep) * min(max(new, old / 2), 2 * old)
 
 
+class StepClock:
+    """Splits a step's wall time into compute (its micro-batches' forward and backward), the wait on
+    the gradient buckets (sync) and the rest (data, optimizer step, bookkeeping). Host clock only."""
+
+    def __init__(self) -> None:
+        self.began = self._mark = self._micro = self._sync_start = 0.0
+        self.compute = self.sync = self.rest = 0.0  # of the last step timed
+
+    def step_begins(self) -> None:
+        """Before the step's data is fetched."""
+        self.began = time.perf_counter()
+
+    def attempt_begins(self) -> None:
+        """Before each attempt at the step's micro-batches: an OOM retry times its own."""
+        self._mark = self._micro = 0.0
+
+    def micro_batch_begins(self) -> None:
+        now = time.perf_counter()
+        if self._mark:
+            self._micro += now - self._mark
+        self._mark = now
+
+    def sync_begins(self) -> float:
+        """The compute seconds of this attempt; `sync` and `rest` still hold the previous step's."""
+        self._sync_start = now = time.perf_counter()
+        self.compute = self._micro + (now - self._mark if self._mark else 0.0)
+        return self.compute
+
+    def sync_done(self) -> None:
+        self.sync = time.perf_counter() - self._sync_start
+
+    def step_done(self) -> None:
+        if self.began:
+            self.rest = max(time.perf_counter() - self.began - self.compute - self.sync, 0.0)
+
+
 @dataclass(frozen=True)
 class Limits:
     ranks: int
@@ -164,6 +203,24 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
     if b_now < floor or goodput(best) >= (1 + lim.hysteresis) * goodput(current):
         return best
     return current
+
+
+def start_shape(ranks: int, batch_size: int, accumulation: int, max_batch: int,
+                samples: int) -> tuple[int, int, int, int, int]:
+    """(B0, B_max, min k, m, k) at the start, or a ConfigError naming the setting at fault."""
+    if batch_size <= 0 or accumulation <= 0:
+        raise ConfigError(f"train.batch_size={batch_size} and train.accumulation={accumulation} must be >= 1")
+    base, per_rank = ranks * batch_size * accumulation, batch_size * accumulation
+    top = min(max_batch or 16 * base, samples)
+    if top < base:
+        raise ConfigError(f"adaptive.max_batch={max_batch} is below the starting global batch {base} "
+                          f"({ranks} ranks x {batch_size} x {accumulation}); raise it or set 0")
+    min_k = 2 if ranks == 1 else 1
+    if per_rank < min_k:
+        raise ConfigError("adaptive batch sizing on one rank needs train.batch_size x train.accumulation >= 2 "
+                          "(the noise scale compares two micro-batches per step)")
+    m = batch_size if accumulation >= min_k else largest_divisor(per_rank, per_rank / 2)
+    return base, top, min_k, m, per_rank // m
 
 
 def largest_divisor(n: int, at_most: float) -> int:
