@@ -74,10 +74,11 @@ class StepTimeModel:
         return table
 
     def micro_time(self, m: int) -> float:
-        """Seconds for one micro-batch of m: the measured value, else linear between the nearest
-        measured sizes (extended with the end segments' slopes). A least-squares line through all
-        sizes, as before 4 December, could put the intercept at 0, pricing 64 micro-batches of 1
-        like 2 of 32; below the smallest measured size the per-sample time is held at that size's."""
+        """Seconds for one micro-batch of m: its time in training, else its calibrated probe time,
+        else linear between the nearest such sizes (extended with the end segments' slopes). A
+        least-squares line through all sizes, as before 4 December, could put the intercept at 0,
+        pricing 64 micro-batches of 1 like 2 of 32; below the smallest known size the per-sample
+        time is held at that size's."""
         table = self._table()
         if m in table:
             return table[m]
