@@ -77,8 +77,12 @@ class StepTimeModel:
         """Seconds for one micro-batch of m: its time in training, else its calibrated probe time,
         else linear between the nearest such sizes (extended with the end segments' slopes). A
         least-squares line through all sizes, as before 4 December, could put the intercept at 0,
-        pricing 64 micro-batches of 1 like 2 of 32; below the smallest known size the per-sample
-        time is held at that size's."""
+        pricing 64 micro-batches of 1 like 2 of 32. Below the smallest known size a micro-batch
+        costs what that size costs: the probe starts at the user's micro-batch and prefers the
+        smallest one within 5% of the best per-sample time, so smaller ones are never cheaper per
+        sample, and extending the end segment's slope down to m=1 once priced a micro-batch of 1 at
+        3 ms against 7.6 ms measured (pylm; the segment's top end had been timed in a slow spell)
+        and the controller ran (m, k) = (1, 9)."""
         table = self._table()
         if m in table:
             return table[m]
@@ -92,7 +96,7 @@ class StepTimeModel:
         slope = (table[hi] - table[lo]) / (hi - lo)
         t = table[lo] + slope * (m - lo)
         if m < ms[0]:
-            t = max(t, table[ms[0]] * m / ms[0])
+            return table[ms[0]]
         return max(t, 1e-12)
 
     def step_time(self, m: int, k: int) -> float:

@@ -224,6 +224,16 @@ def test_step_time_model_prices_unrun_sizes_by_the_probe_scaled_to_training_cond
     assert restored == times
 
 
+def test_micro_batches_below_the_smallest_known_size_are_not_priced_down_a_steep_segment():
+    # Recorded on pylm (seed 1, 4 December): m=4 timed at 12.2 ms early on, m=8 at 26.8 ms in a slow
+    # spell; the segment's slope, extended to m=1, priced it at 3 ms (measured: 7.6 ms) and the
+    # controller moved from (8, 1) to (1, 9).
+    times = goodput.StepTimeModel({4: 0.01218, 8: 0.02676}, sync=0.01423)
+    assert times.micro_time(1) == 0.01218
+    lim = limits(base=8, max_batch=128)
+    assert goodput.decide(lim, times, 31.6, (8, 1), [1, 2, 4, 8, 16, 32, 64])[0] >= 4
+
+
 def test_oom_classification():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
@@ -332,7 +342,7 @@ def test_step_time_model_prices_tiny_micro_batches_by_the_measured_fixed_cost():
     # these has its intercept near 0 and priced 64 micro-batches of 1 like 2 of 32.
     times = goodput.StepTimeModel({4: 0.0095, 8: 0.0133, 64: 0.072}, sync=0.005)
     assert times.micro_time(8) == 0.0133
-    assert times.micro_time(1) >= 0.0095 / 4  # per sample never cheaper than the smallest measured
+    assert times.micro_time(1) == 0.0095  # no cheaper than the smallest measured micro-batch
     assert times.step_time(1, 64) > 3 * times.step_time(32, 2)
     assert times.micro_time(32) == pytest.approx(0.0133 + (0.072 - 0.0133) / 56 * 24)
     # Equal goodput (alpha = 0, same B): the largest micro-batch wins, not the last bit.
