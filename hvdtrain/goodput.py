@@ -70,34 +70,34 @@ class StepTimeModel:
         for s, t in self.probed.items():
             if s not in table:
                 near = min(ran, key=lambda r: (abs(math.log(r / s)), r), default=None)
-                table[s] = t * (self.micro[near] / self.probed[near] if near else 1.0)
+                table[s] = t * (self.micro[near] / self.probed[near] if near is not None else 1.0)
         return table
 
     def micro_time(self, m: int) -> float:
         """Seconds for one micro-batch of m: its time in training, else its calibrated probe time,
-        else linear between the nearest such sizes (extended with the end segments' slopes). A
-        least-squares line through all sizes, as before 4 December, could put the intercept at 0,
-        pricing 64 micro-batches of 1 like 2 of 32. Below the smallest known size a micro-batch
-        costs what that size costs: the probe starts at the user's micro-batch and prefers the
-        smallest one within 5% of the best per-sample time, so smaller ones are never cheaper per
-        sample, and extending the end segment's slope down to m=1 once priced a micro-batch of 1 at
-        3 ms against 7.6 ms measured (pylm; the segment's top end had been timed in a slow spell)
-        and the controller ran (m, k) = (1, 9)."""
+        else linear between the nearest such sizes, extended above the largest with the last
+        segment's slope (a least-squares line through all sizes, before 4 December, could put the
+        intercept at 0 and price 64 micro-batches of 1 like 2 of 32).
+
+        Below the smallest known size a micro-batch costs what that size costs: the probe starts at
+        the user's micro-batch and prefers the smallest within 5% of the best per-sample time, so
+        smaller ones are never cheaper per sample. Extending the first segment down to m=1 once
+        priced it at 3 ms against 7.6 ms measured (pylm; the segment's top end had been timed in a
+        slow spell) and the controller ran (m, k) = (1, 9)."""
         table = self._table()
         if m in table:
             return table[m]
         ms = sorted(table)
         if not ms:
             return float(m)
-        if len(ms) == 1:
-            return table[ms[0]] * m / ms[0]  # one size seen: assume time proportional to m
-        i = min(max(bisect.bisect_left(ms, m), 1), len(ms) - 1)
-        lo, hi = ms[i - 1], ms[i]
-        slope = (table[hi] - table[lo]) / (hi - lo)
-        t = table[lo] + slope * (m - lo)
         if m < ms[0]:
             return table[ms[0]]
-        return max(t, 1e-12)
+        if len(ms) == 1:
+            return table[ms[0]] * m / ms[0]  # one size seen: assume time proportional to m
+        i = min(bisect.bisect_left(ms, m), len(ms) - 1)
+        lo, hi = ms[i - 1], ms[i]
+        slope = (table[hi] - table[lo]) / (hi - lo)
+        return max(table[lo] + slope * (m - lo), 1e-12)
 
     def step_time(self, m: int, k: int) -> float:
         return k * self.micro_time(m) + self.sync
@@ -212,9 +212,8 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
 
 def start_shape(ranks: int, batch_size: int, accumulation: int, max_batch: int,
                 samples: int) -> tuple[int, int, int, int, int]:
-    """(B0, B_max, min k, m, k) at the start, or a ConfigError naming the setting at fault."""
-    if batch_size <= 0 or accumulation <= 0:
-        raise ConfigError(f"train.batch_size={batch_size} and train.accumulation={accumulation} must be >= 1")
+    """(B0, B_max, min k, m, k) at the start, or a ConfigError naming the setting at fault
+    (batch_size and accumulation are >= 1 already: TrainConfig checks them on construction)."""
     base, per_rank = ranks * batch_size * accumulation, batch_size * accumulation
     top = min(max_batch or 16 * base, samples)
     if top < base:
