@@ -55,10 +55,21 @@ class StepTimeModel:
     probed: dict[int, float] = field(default_factory=dict)
 
     def record(self, m: int, per_micro: float, sync: float, keep: float = 0.8) -> None:
+        """One step's time at the running size m. Once m has run before, a change in its time is
+        taken as the host's speed changing and every other size that has run follows by the same
+        factor: only the running size is re-timed, and a size timed an hour ago on a host 1.5x
+        faster (or slower) would otherwise win (or lose) every decision on stale numbers."""
         old = self.micro.get(m)
-        if old is None and self.probed:
-            old = self.micro_time(m)  # the first sample of a size is clipped against its prediction
-        self.micro[m] = per_micro if old is None else _smooth(old, per_micro, keep)
+        if old is None:
+            # The first sample of a size tells its cost, not the host's speed: nothing else moves.
+            guess = self.micro_time(m) if self.probed else None
+            self.micro[m] = per_micro if guess is None else _smooth(guess, per_micro, keep)
+        else:
+            self.micro[m] = _smooth(old, per_micro, keep)
+            drift = self.micro[m] / old
+            for s in self.micro:
+                if s != m:
+                    self.micro[s] *= drift
         self.sync = sync if self.sync == 0.0 else _smooth(self.sync, sync, keep)
 
     def record_probe(self, m: int, seconds: float) -> None:
