@@ -120,6 +120,7 @@ class Prober:
         self.loss_fn, self.device, self.injector = loss_fn, device, injector
         self.measure = _Measure(model, optimizer, device)
         self.seconds: dict[int, float] = {}
+        self.runs: dict[int, int] = {}  # successful runs by m
 
     def _batch(self, m: int) -> Any:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -144,6 +145,7 @@ class Prober:
             # one run can be stretched by a neighbour; a single slow sample priced a size out of every
             # later decision, since the controller only re-times the micro-batch it runs.
             self.seconds[m] = min(time.perf_counter() - start, self.seconds.get(m, float("inf")))
+            self.runs[m] = self.runs.get(m, 0) + 1
         except Exception as exc:  # noqa: BLE001 - only OOMs are expected here
             if not is_oom(exc):
                 raise
@@ -186,7 +188,9 @@ class Prober:
         """Smallest m within 5% of the best per-sample time among start·2^i ≤ cap and cap."""
         sizes = sorted({min(cap, start * 2**i) for i in range(8)})
         for m in sizes:
-            for _ in range(3):  # a warm-up and two timed runs; the fastest counts
+            # Three runs a size, the fastest counting (the first pays allocation); those the memory
+            # search already made count, which spares a third of the probe's time when it ran the cap.
+            for _ in range(3 - self.runs.get(m, 0)):
                 self.step(m)
         per_sample = {m: self.seconds[m] / m for m in sizes if m in self.seconds}
         best = min(per_sample.values())

@@ -191,6 +191,17 @@ def test_probe_keeps_the_fastest_run_of_each_size(monkeypatch):
     assert prober.seconds[4] == 1.0  # not the last (3 s) nor the first, allocating one (5 s)
 
 
+def test_probe_times_each_size_three_times_counting_the_memory_search_runs():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"),
+                    FaultInjector(AdaptiveConfig(), 0))
+    assert prober.largest(4, 16, 2**40, 0.1) == 16  # runs 4 (twice), 8 and 16
+    assert prober.runs == {4: 2, 8: 1, 16: 1}
+    prober.preferred(16, 4)
+    assert prober.runs == {4: 3, 8: 3, 16: 3}
+
+
 def test_step_time_model_shrugs_off_one_stretched_step_but_follows_a_real_change():
     times = goodput.StepTimeModel({8: 0.010}, sync=0.005)
     times.record(8, 0.100, 0.005)  # one step 10x slower (a neighbour, a collection pause)
@@ -222,6 +233,26 @@ def test_step_time_model_prices_unrun_sizes_by_the_probe_scaled_to_training_cond
     restored = goodput.StepTimeModel({})
     restored.load_state_dict(times.state_dict())
     assert restored == times
+
+
+def test_sizes_not_running_follow_the_host_speed_measured_at_the_running_size():
+    # m=4 timed at 12 ms, then m=8 at 20 ms; the host then slows 1.5x (a neighbour on the VM: 1.5x
+    # drift within a day here). Frozen at 12 ms, m=4 would look 20% cheaper per sample than it is
+    # and the controller would move 8 -> 4 on a stale number.
+    times = goodput.StepTimeModel({})
+    for _ in range(30):
+        times.record(4, 0.012, 0.010)
+    for _ in range(30):
+        times.record(8, 0.020, 0.010)
+    assert times.micro_time(4) == pytest.approx(0.012, rel=0.01)  # first samples of 8 move nothing
+    for _ in range(40):
+        times.record(8, 0.030, 0.015)
+    assert times.micro_time(8) == pytest.approx(0.030, rel=0.01)
+    assert times.micro_time(4) == pytest.approx(0.018, rel=0.01)
+    lim = limits(base=8, max_batch=128)
+    assert goodput.decide(lim, times, 30.0, (8, 1), [4, 8]) == (8, 1)
+    stale = goodput.StepTimeModel({4: 0.012, 8: 0.030}, sync=times.sync)
+    assert goodput.decide(lim, stale, 30.0, (8, 1), [4, 8]) == (4, 2)
 
 
 def test_micro_batches_below_the_smallest_known_size_are_not_priced_down_a_steep_segment():
