@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=20.0, help="training seconds per run before giving up")
     p.add_argument("--eval-samples", type=int, default=256, help="training samples between evaluations")
     p.add_argument("--targets", default="", metavar="TASK=LOSS,...", help="override target held-out losses")
+    p.add_argument("--lrs", default="", metavar="TASK=LR/LR...,...",
+                   help="override a task's lr grid, e.g. pylm=0.003 (one lr: no grid, the same lr for every batch)")
     p.add_argument("--adaptive", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an adaptive variant, e.g. goodput:norm_test=0 (repeatable; default: one with defaults)")
 
@@ -130,10 +132,10 @@ def _variants(texts: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, target: float | None,
-          variants: dict[str, dict[str, Any]]) -> None:
+          variants: dict[str, dict[str, Any]], lrs: list[float] | None = None) -> None:
     from hvdtrain import config as config_mod
 
-    spec = dict(TASKS[name], target=target or TASKS[name]["target"])
+    spec = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
     base = config_mod.build(None, spec["set"] + ["log.progress=false", "log.tensorboard=false"], task=name)
     best: dict[int, tuple[float, float]] = {}
     runs: list[dict] = []
@@ -186,14 +188,23 @@ def run(args: argparse.Namespace) -> int:
     if bad or args.seeds < 1:
         raise ConfigError(f"--tasks {bad[0]!r} is not allowed; choose from {', '.join(TASKS)}" if bad
                           else "--seeds must be >= 1")
-    try:
-        targets = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.targets.split(",") if kv)}
-    except ValueError:
-        raise ConfigError(f"--targets {args.targets!r}: expected TASK=LOSS,..., e.g. pylm=1.6") from None
-    if set(targets) - set(TASKS):
-        raise ConfigError(f"--targets names {sorted(set(targets) - set(TASKS))}; choose from {', '.join(TASKS)}")
+    targets = _per_task("--targets", args.targets, "pylm=1.6", float)
+    lrs = _per_task("--lrs", args.lrs, "pylm=0.001/0.003", lambda v: [float(x) for x in v.split("/")])
     variants = _variants(args.variants)
     world = World.init()
     for name in names:
-        _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants)
+        _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants, lrs.get(name))
     return 0
+
+
+def _per_task(flag: str, text: str, example: str, parse: Any) -> dict[str, Any]:
+    """`TASK=VALUE,...` -> {task: parse(VALUE)}, or a ConfigError naming the flag."""
+    from hvdtrain.errors import ConfigError
+
+    try:
+        out = {k: parse(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected TASK=VALUE,..., e.g. {example}") from None
+    if set(out) - set(TASKS):
+        raise ConfigError(f"{flag} names {sorted(set(out) - set(TASKS))}; choose from {', '.join(TASKS)}")
+    return out

@@ -277,6 +277,10 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
 
     assert main(["bench", "adaptive", "--tasks", "nope"]) == 2
     assert "--tasks 'nope' is not allowed; choose from pylm, digits" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--lrs", "pylm=fast"]) == 2
+    assert "--lrs 'pylm=fast': expected TASK=VALUE,..., e.g. pylm=0.001/0.003" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--targets", "mnist=0.1"]) == 2
+    assert "--targets names ['mnist']; choose from pylm, digits" in capsys.readouterr().err
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
