@@ -167,6 +167,9 @@ class StepClock:
             self.rest = max(time.perf_counter() - self.began - self.compute - self.sync, 0.0)
 
 
+SHRINK_MARGIN = 2.0  # under the norm test, shrink only to a batch that is at least this x the floor
+
+
 @dataclass(frozen=True)
 class Limits:
     ranks: int
@@ -209,7 +212,9 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
         return current
     floor = phi / lim.theta**2 if lim.theta > 0 else 0.0
     floor = min(floor, max(batch(c) for c in window))  # the norm test can ask for more than allowed
-    allowed = [c for c in window if batch(c) >= floor]
+    # A smaller batch must meet the floor SHRINK_MARGIN times over: φ moves ±30% between decisions,
+    # and a floor met by a hair let the batch alternate 32 <-> 64 four times in 300 steps (pylm).
+    allowed = [c for c in window if batch(c) >= floor and (batch(c) >= b_now or batch(c) >= SHRINK_MARGIN * floor)]
     # Candidates within rounding of the best are equal: take the largest micro-batch among them
     # (fewer, larger kernels), not whichever the last bit favoured.
     top = max(goodput(c) for c in allowed)

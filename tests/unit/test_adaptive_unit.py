@@ -114,6 +114,20 @@ def test_norm_test_floor_forces_growth_and_hysteresis_blocks_small_gains():
     assert goodput.decide(limits(), times, 1e6, (8, 1), [8, 16]) == (8, 1)
 
 
+def test_norm_test_floor_has_a_band_so_a_noisy_noise_scale_does_not_flip_the_batch():
+    # Recorded on pylm (seed 2, 4 December, θ = 1): φ read 45 at step 320 (B 32 -> 64), 31 at step
+    # 410 (back to 32: the floor allowed it and goodput preferred it), 36 at 460 (64 again); at
+    # step 210 φ = 15 took B from 32 to 16 and φ = 16.6 took it back at 250.
+    times = goodput.StepTimeModel({8: 0.01051, 16: 0.0184, 32: 0.03322}, sync=0.0063)
+    lim = limits(base=8, max_batch=128, theta=1.0)
+    sizes = [4, 8, 16, 32, 64]
+    assert goodput.decide(lim, times, 45.4, (16, 1), sizes) == (32, 1)  # under the floor: grow
+    assert goodput.decide(lim, times, 31.2, (32, 1), sizes) == (32, 1)  # was (16, 1)
+    assert goodput.decide(lim, times, 15.0, (16, 1), sizes) == (16, 1)  # was (8, 1)
+    assert goodput.decide(lim, times, 14.0, (32, 1), sizes) == (16, 1)  # 32 >= 2 x 14: shrinks
+    assert goodput.decide(limits(base=8, max_batch=128), times, 31.2, (32, 1), sizes) == (16, 1)  # θ = 0
+
+
 def test_bad_settings_give_clear_errors():
     with pytest.raises(ConfigError, match="train.batch_size=0 must be >= 1"):
         TrainConfig(batch_size=0)
