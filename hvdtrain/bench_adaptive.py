@@ -46,7 +46,8 @@ class _Stop(Exception):
 
 
 class _Watch:
-    """loss_fn wrapper: clocks training, excludes evaluation, and stops all ranks at the target."""
+    """loss_fn wrapper: clocks training (the ranks' mean), excludes evaluation, and stops all ranks
+    together at the target or once the budget is spent."""
 
     def __init__(self, world: Any, loss_fn: Any, target: float, budget: float) -> None:
         self.world, self.loss_fn, self.target, self.budget = world, loss_fn, target, budget
@@ -62,7 +63,7 @@ class _Watch:
             if not self.sizes or self.sizes[-1] != len(batch[1]):
                 self.sizes.append(len(batch[1]))  # this rank's micro-batch sizes, in the order used
             if self.eval_started is not None:
-                self._after_eval(now)
+                self._after_eval()
         elif self.eval_started is None:
             self.eval_started = now
         loss, sums = self.loss_fn(model, batch)
@@ -72,14 +73,18 @@ class _Watch:
             self.sums[1] += n
         return loss, sums
 
-    def _after_eval(self, now: float) -> None:
+    def _after_eval(self) -> None:
         import torch
 
-        total = self.world.allreduce(torch.tensor(self.sums, dtype=torch.float64), name="bench.adaptive.eval")
-        loss = float(total[0] / total[1])
+        # Stopping gates every later collective, so it must rest on reduced numbers only: each
+        # rank's own clock crosses the budget at a different eval, and a rank that stops alone
+        # leaves its peers waiting in their next allreduce (a 2-rank digits bench hung so).
+        train_s = self.eval_started - self.start - self.eval_seconds
+        local = torch.tensor([*self.sums, train_s / self.world.size], dtype=torch.float64)
+        total = self.world.allreduce(local, name="bench.adaptive.eval")
+        loss, train_s = float(total[0] / total[1]), float(total[2])
         self.eval_seconds += time.perf_counter() - self.eval_started
         self.eval_started, self.sums, self.evals = None, [0.0, 0.0], self.evals + 1
-        train_s = now - self.start - self.eval_seconds
         if loss <= self.target or train_s > self.budget:
             self.result = {"reached": loss <= self.target, "time_s": train_s, "eval_loss": loss, "evals": self.evals}
             raise _Stop
