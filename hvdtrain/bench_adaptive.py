@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default="", metavar="TASK=LOSS,...", help="override target held-out losses")
     p.add_argument("--lrs", default="", metavar="TASK=LR/LR...,...",
                    help="override a task's lr grid, e.g. pylm=0.003 (one lr: no grid, the same lr for every batch)")
+    p.add_argument("--batches", default="", metavar="TASK=B/B...,...",
+                   help="override a task's fixed global batches, smallest first (the smallest is the adaptive "
+                        "run's start, the largest its cap), e.g. pylm=8/16/32/64/128")
     p.add_argument("--adaptive", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an adaptive variant, e.g. goodput:norm_test=0 (repeatable; default: one with defaults)")
 
@@ -106,6 +109,13 @@ def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, ad
         optim=dataclasses.replace(base.optim, lr=lr, lr_scaling="none"),
         adaptive=AdaptiveConfig(enabled=True, **adaptive) if adaptive else base.adaptive)
     task = build_task(cfg)
+    if len(task.eval_set) < world.size:
+        # A rank with an empty evaluation shard never calls loss_fn in eval mode, so it would never
+        # join the watch's allreduce: refuse (identically on every rank) rather than hang.
+        from hvdtrain.errors import ConfigError
+
+        raise ConfigError(f"{task_name}: {len(task.eval_set)} held-out samples for {world.size} ranks; "
+                          "every rank needs at least one")
     watch = _Watch(world, task.loss_fn, spec["target"], budget)
     result = None
     try:
@@ -137,10 +147,13 @@ def _variants(texts: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, target: float | None,
-          variants: dict[str, dict[str, Any]], lrs: list[float] | None = None) -> None:
+          variants: dict[str, dict[str, Any]], lrs: list[float] | None = None,
+          batches: list[int] | None = None) -> None:
     from hvdtrain import config as config_mod
 
     spec = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
+    if batches:
+        spec["batches"] = [b // world.size for b in batches]
     base = config_mod.build(None, spec["set"] + ["log.progress=false", "log.tensorboard=false"], task=name)
     best: dict[int, tuple[float, float]] = {}
     runs: list[dict] = []
@@ -195,10 +208,16 @@ def run(args: argparse.Namespace) -> int:
                           else "--seeds must be >= 1")
     targets = _per_task("--targets", args.targets, "pylm=1.6", float)
     lrs = _per_task("--lrs", args.lrs, "pylm=0.001/0.003", lambda v: [float(x) for x in v.split("/")])
+    batches = _per_task("--batches", args.batches, "pylm=8/16/32", lambda v: [int(x) for x in v.split("/")])
     variants = _variants(args.variants)
     world = World.init()
+    for name, sizes in batches.items():  # the same check on every rank, before any of them trains
+        if sizes != sorted(set(sizes)) or any(b <= 0 or b % world.size for b in sizes):
+            raise ConfigError(f"--batches {name}={'/'.join(map(str, sizes))}: expected distinct global batches, "
+                              f"smallest first, each a positive multiple of the {world.size} ranks")
     for name in names:
-        _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants, lrs.get(name))
+        _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants,
+              lrs.get(name), batches.get(name))
     return 0
 
 

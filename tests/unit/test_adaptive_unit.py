@@ -295,6 +295,10 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
     assert "--lrs 'pylm=fast': expected TASK=VALUE,..., e.g. pylm=0.001/0.003" in capsys.readouterr().err
     assert main(["bench", "adaptive", "--tasks", "pylm", "--targets", "mnist=0.1"]) == 2
     assert "--targets names ['mnist']; choose from pylm, digits" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--batches", "pylm=16/8"]) == 2
+    assert "--batches pylm=16/8: expected distinct global batches, smallest first" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--batches", "pylm=8/x"]) == 2
+    assert "--batches 'pylm=8/x': expected TASK=VALUE" in capsys.readouterr().err
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
