@@ -72,6 +72,8 @@ class AdaptiveController:
         self.meter.on_grad = self._maybe_inject_in_backward
         self.proxy = _StatsReducer(self, reducer)
         reducer.adopt_hooks(self.meter._hooks)
+        if hasattr(reducer, "before_launch") and self.meter.use_buckets(reducer.buckets):
+            reducer.before_launch = self.meter.bucket_ready
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
@@ -142,7 +144,7 @@ class AdaptiveController:
         smaller m after an OOM on any rank. All ranks must call."""
         while True:
             attempt = MetricSums()
-            self.meter.begin_step()
+            self.meter.begin_step(self.k)
             self._oom_here = False
             self.clock.attempt_begins()
             try:
@@ -194,6 +196,8 @@ class AdaptiveController:
         if self._oom_here:
             for p in self.model.parameters():
                 p.grad = None  # zero-filled by the reducer
+        if self.meter.flat:
+            inner.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
         local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
         stats = torch.tensor([local, float(self._oom_here), compute, self.clock.sync, self.clock.rest],
@@ -209,7 +213,8 @@ class AdaptiveController:
         if finite:
             count = n * self.k
             if self.meter.settled:
-                self.noise.update(total[0] / count, self.meter.global_sq(), count, self.m)
+                flats = inner.flats() if self.meter.flat else None
+                self.noise.update(total[0] / count, self.meter.global_sq(flats), count, self.m)
             self.times.record(self.m, total[2] / n / self.k, (total[3] + total[4]) / n)
         return finite
 

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="", metavar="TASK=B/B...,...",
                    help="override a task's fixed global batches, smallest first (the smallest is the adaptive "
                         "run's start, the largest its cap), e.g. pylm=8/16/32/64/128")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run of every task, e.g. optim.clip_grad_norm=1.0 (repeatable)")
     p.add_argument("--adaptive", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an adaptive variant, e.g. goodput:norm_test=0 (repeatable; default: one with defaults)")
 
@@ -148,13 +150,14 @@ def _variants(texts: list[str]) -> dict[str, dict[str, Any]]:
 
 def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, target: float | None,
           variants: dict[str, dict[str, Any]], lrs: list[float] | None = None,
-          batches: list[int] | None = None) -> None:
+          batches: list[int] | None = None, overrides: list[str] | None = None) -> None:
     from hvdtrain import config as config_mod
 
     spec = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
     if batches:
         spec["batches"] = [b // world.size for b in batches]
-    base = config_mod.build(None, spec["set"] + ["log.progress=false", "log.tensorboard=false"], task=name)
+    base = config_mod.build(None, spec["set"] + list(overrides or []) + ["log.progress=false", "log.tensorboard=false"],
+                             task=name)
     best: dict[int, tuple[float, float]] = {}
     runs: list[dict] = []
     for m in spec["batches"]:  # lr grid on the first seed
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                               f"smallest first, each a positive multiple of the {world.size} ranks")
     for name in names:
         _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants,
-              lrs.get(name), batches.get(name))
+              lrs.get(name), batches.get(name), args.overrides)
     return 0
 
 

@@ -140,6 +140,29 @@ class GradNormMeter:
         self._micro: list[torch.Tensor] = []
         self._steps, self._refresh_at = 0, 0  # begin_step calls; when the preconditioner is rebuilt next
         self._hooks = [p.register_hook(self._hook(p)) for p in self.params]
+        # The gradient reducer's buckets, when attached: with one micro-batch a step, a bucket's flat
+        # buffer holds this rank's gradient just before its collective, so one fused norm per bucket
+        # replaces a norm per tensor (hooks + |ḡ|²: 0.94 -> 0.40 ms of a ~16 ms pylm step at m = 8, CPU).
+        self.buckets: list[list[nn.Parameter]] | None = None
+        self.flat = False  # this step is measured on the buckets
+        self._bucket_scale: list[torch.Tensor] = []
+
+    def use_buckets(self, buckets: list[list[nn.Parameter]]) -> bool:
+        """Measure single-micro-batch steps on these buckets (the reducer calls `bucket_ready`); False
+        (and the hooks measure every step) unless they hold exactly the measured parameters."""
+        if sorted(id(p) for b in buckets for p in b) != sorted(id(p) for p in self.params):
+            return False
+        self.buckets, self._bucket_scale = buckets, []
+        return True
+
+    def bucket_ready(self, b: int, flat: torch.Tensor) -> None:
+        """Bucket b's flat local gradient, before its collective overwrites it with the average."""
+        if self.active and self.flat:
+            self._parts.append(self._flat_norm(b, flat))
+
+    def _flat_norm(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        scaled = flat * self._bucket_scale[b] if self._bucket_scale else flat
+        return torch.linalg.vector_norm(scaled, dtype=torch.float32)
 
     def _hook(self, p: nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
@@ -148,6 +171,8 @@ class GradNormMeter:
             self._fired += 1
             if self.on_grad is not None:
                 self.on_grad(self._fired)
+            if self.flat:
+                return  # measured on the reducer's bucket instead
             g = grad.detach()
             scale = self.scale.get(id(p))
             # One norm per tensor (fp32 accumulation, so fp16/bf16 gradients cannot overflow), squared
@@ -162,17 +187,23 @@ class GradNormMeter:
         which a preconditioned average must not mix with (|g|² differs by orders of magnitude)."""
         return not self.precondition or bool(self.scale)
 
-    def begin_step(self) -> None:
+    def begin_step(self, micro_batches: int = 0) -> None:
         """Before a step's first micro-batch: freeze this step's preconditioner, clear the totals.
 
         Rebuilding the preconditioner cost ~1.4 ms a step on pylm (CPU), a tenth of a B=8 step. v̂ is
         an average over ~1/(1-β2) steps, so it is rebuilt every step at first and then every
         1 + steps/20 (at most REFRESH_MAX) steps, when v̂ has moved by a few percent at most. The
         estimators stay unbiased: each step measures every micro-batch and the average in one
-        fixed geometry. The schedule counts calls, which every rank makes alike."""
+        fixed geometry. The schedule counts calls, which every rank makes alike.
+
+        `micro_batches` == 1 with buckets attached: the step is measured on the buckets."""
         if self.precondition and (not self.scale or self._steps >= self._refresh_at):
             self.scale = self._preconditioner()
+            self._bucket_scale = []
             self._refresh_at = self._steps + min(REFRESH_MAX, 1 + self._steps // 20)
+        self.flat = self.buckets is not None and micro_batches == 1
+        if self.flat and self.scale and not self._bucket_scale:
+            self._bucket_scale = [torch.cat([self.scale[id(p)].reshape(-1) for p in b]) for b in self.buckets]
         self._steps += 1
         self._micro, self._parts, self._fired, self.active = [], [], 0, True
 
@@ -191,8 +222,11 @@ class GradNormMeter:
             return 0.0
         return float(torch.stack(self._micro).sum()) / grad_scale**2
 
-    def global_sq(self) -> float:
-        """|ḡ|² of the averaged gradient now in `.grad`, in the same (preconditioned) geometry."""
+    def global_sq(self, flats: list[torch.Tensor] | None = None) -> float:
+        """|ḡ|² of the averaged gradient now in `.grad` (or in the attached buckets' `flats`), in the
+        same (preconditioned) geometry."""
+        if flats is not None and self.flat:
+            return float(_sum_sq([self._flat_norm(b, f) for b, f in enumerate(flats)]).cpu())
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         if not grads:
             return 0.0

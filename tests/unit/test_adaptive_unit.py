@@ -80,6 +80,40 @@ def test_meter_measures_each_micro_batch_before_accumulation():
     meter.remove()
 
 
+@pytest.mark.parametrize("precondition", [True, False])
+def test_meter_on_the_reducer_buckets_equals_the_per_tensor_hooks(world, precondition):
+    from hvdtrain.reducer import GradReducer
+
+    model = mlp(seed=3)
+    x, y = blobs(n=16).tensors
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    classification_loss(model, (x, y))[0].backward()
+    opt.step()  # Adam's state exists: the preconditioned geometry
+    opt.zero_grad()
+    # A tiny bucket cap splits the model into several buckets, each measured on its own flat buffer.
+    reducer = GradReducer(world, model.named_parameters(), bucket_mb=1e-4)
+    assert len(reducer.buckets) > 1
+    meter = GradNormMeter(model.parameters(), opt, precondition=precondition)
+    assert meter.use_buckets(reducer.buckets)
+    reducer.before_launch = meter.bucket_ready
+    got = {}
+    for micro_batches in (2, 1):  # 2: the hooks measure (one micro-batch run here); 1: the buckets
+        reducer.zero_grad()
+        meter.begin_step(micro_batches)
+        assert meter.flat == (micro_batches == 1)
+        meter.next_micro_batch()
+        classification_loss(model, (x[:8], y[:8]))[0].backward()
+        reducer.launch_rest()
+        local = meter.local_sum(1.0)
+        assert reducer.synchronize()
+        got[micro_batches] = (local, meter.global_sq(reducer.flats()))
+    assert got[1][0] > 0 and got[1][1] > 0
+    assert got[1] == pytest.approx(got[2], rel=1e-6)
+    reducer.remove()
+    meter.remove()
+    assert not GradNormMeter(model.parameters(), opt, precondition=True).use_buckets(reducer.buckets[1:])
+
+
 def test_gain_lr_rules_and_efficiency():
     assert goodput.gain(float("nan"), 64, 8) == 1.0
     assert goodput.gain(float("inf"), 64, 8) == 8.0
@@ -299,6 +333,8 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
     assert "--batches pylm=16/8: expected distinct global batches, smallest first" in capsys.readouterr().err
     assert main(["bench", "adaptive", "--tasks", "pylm", "--batches", "pylm=8/x"]) == 2
     assert "--batches 'pylm=8/x': expected TASK=VALUE" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--set", "optim.nope=1"]) == 2
+    assert "unknown key optim.nope; allowed: clip_grad_norm" in capsys.readouterr().err
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
