@@ -337,6 +337,18 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
     assert "unknown key optim.nope; allowed: clip_grad_norm" in capsys.readouterr().err
 
 
+def test_bench_refuses_a_held_out_set_smaller_than_the_ranks(world, monkeypatch):
+    import types
+
+    from hvdtrain import bench_adaptive, tasks
+
+    task = types.SimpleNamespace(model=mlp(seed=1), train_set=blobs(n=32), eval_set=blobs(n=0),
+                                 loss_fn=classification_loss)
+    monkeypatch.setattr(tasks, "build_task", lambda cfg: task)
+    with pytest.raises(ConfigError, match=f"digits: 0 held-out samples for {world.size} ranks"):
+        bench_adaptive._one(world, Config(), "digits", 0, 4, 0.1, None, {"target": 0.1}, 1.0, 256)
+
+
 def test_decayed_batch_follows_gamma_up_to_the_cap():
     from hvdtrain.goodput import Limits, decayed_batch
 
