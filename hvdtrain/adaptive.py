@@ -213,8 +213,7 @@ class AdaptiveController:
         if finite:
             count = n * self.k
             if self.meter.settled:
-                flats = inner.flats() if self.meter.flat else None
-                self.noise.update(total[0] / count, self.meter.global_sq(flats), count, self.m)
+                self.noise.update(total[0] / count, self.meter.global_sq(inner.flats()), count, self.m)
             self.times.record(self.m, total[2] / n / self.k, (total[3] + total[4]) / n)
         return finite
 

@@ -152,8 +152,15 @@ class GradNormMeter:
         (and the hooks measure every step) unless they hold exactly the measured parameters."""
         if sorted(id(p) for b in buckets for p in b) != sorted(id(p) for p in self.params):
             return False
-        self.buckets, self._bucket_scale = buckets, []
+        self.buckets = buckets
+        self._bucket_scale = self._per_bucket(self.scale)
         return True
+
+    def _per_bucket(self, scale: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The preconditioner laid out as the buckets' flat buffers ([] without buckets or scale)."""
+        if not scale or self.buckets is None:
+            return []
+        return [torch.cat([scale[id(p)].reshape(-1) for p in b]) for b in self.buckets]
 
     def bucket_ready(self, b: int, flat: torch.Tensor) -> None:
         """Bucket b's flat local gradient, before its collective overwrites it with the average."""
@@ -199,11 +206,9 @@ class GradNormMeter:
         `micro_batches` == 1 with buckets attached: the step is measured on the buckets."""
         if self.precondition and (not self.scale or self._steps >= self._refresh_at):
             self.scale = self._preconditioner()
-            self._bucket_scale = []
+            self._bucket_scale = self._per_bucket(self.scale)
             self._refresh_at = self._steps + min(REFRESH_MAX, 1 + self._steps // 20)
         self.flat = self.buckets is not None and micro_batches == 1
-        if self.flat and self.scale and not self._bucket_scale:
-            self._bucket_scale = [torch.cat([self.scale[id(p)].reshape(-1) for p in b]) for b in self.buckets]
         self._steps += 1
         self._micro, self._parts, self._fired, self.active = [], [], 0, True
 
@@ -223,9 +228,10 @@ class GradNormMeter:
         return float(torch.stack(self._micro).sum()) / grad_scale**2
 
     def global_sq(self, flats: list[torch.Tensor] | None = None) -> float:
-        """|ḡ|² of the averaged gradient now in `.grad` (or in the attached buckets' `flats`), in the
-        same (preconditioned) geometry."""
-        if flats is not None and self.flat:
+        """|ḡ|² of the averaged gradient now in `.grad`, in the same (preconditioned) geometry; with
+        buckets attached, on their flat buffers `flats` (after synchronize they hold that average
+        whatever the number of micro-batches)."""
+        if flats is not None and self.buckets is not None:
             return float(_sum_sq([self._flat_norm(b, f) for b, f in enumerate(flats)]).cpu())
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         if not grads:

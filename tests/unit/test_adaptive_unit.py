@@ -106,7 +106,9 @@ def test_meter_on_the_reducer_buckets_equals_the_per_tensor_hooks(world, precond
         reducer.launch_rest()
         local = meter.local_sum(1.0)
         assert reducer.synchronize()
-        got[micro_batches] = (local, meter.global_sq(reducer.flats()))
+        on_buckets, per_tensor = meter.global_sq(reducer.flats()), meter.global_sq()
+        assert on_buckets == pytest.approx(per_tensor, rel=1e-6)
+        got[micro_batches] = (local, on_buckets)
     assert got[1][0] > 0 and got[1][1] > 0
     assert got[1] == pytest.approx(got[2], rel=1e-6)
     reducer.remove()
