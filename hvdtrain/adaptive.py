@@ -3,17 +3,20 @@ progress τ (steps of the starting batch B0 worth of progress); global batch B =
 
 Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp64
 stats allreduce per optimizer step attempt, started before the gradient buckets are waited on (so it
-rides in their negotiation cycle); on decision steps (every D steps after warm-up, by the step
-counter alone) one broadcast of rank 0's decision. An OOM on one rank never skips a collective:
-that rank zero-fills its gradients and still synchronizes, and the OOM flag inside the stats
-allreduce makes every rank skip the attempt and retry the same samples with a smaller m and a
-larger k (same B, same LR).
+rides in their negotiation cycle) and waited on at the next attempt (by then it is long done: a wait
+right after the buckets cost a second Gloo round, ~2 ms a step over a 200 Mbit/s link); on decision
+steps (every D steps after warm-up, by the step counter alone) one broadcast of rank 0's decision.
+An OOM on one rank never skips a collective: that rank fills the buckets it has not sent with NaN
+and still synchronizes (the reducer holds its last bucket back until then, so one is always left),
+every rank sees a non-finite average, waits for the stats now, and their OOM flag makes every rank
+skip the attempt and retry the same samples with a smaller m and a larger k (same B, same LR).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,6 +75,8 @@ class AdaptiveController:
         self.meter.on_grad = self._maybe_inject_in_backward
         self.proxy = _StatsReducer(self, reducer)
         reducer.adopt_hooks(self.meter._hooks)
+        reducer.held = len(reducer.buckets) - 1  # backward's last bucket: an OOM can always poison it
+        self._stats: _Stats | None = None  # the last attempt's, not yet applied
         if hasattr(reducer, "before_launch") and self.meter.use_buckets(reducer.buckets):
             reducer.before_launch = self.meter.bucket_ready
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
@@ -155,7 +160,7 @@ class AdaptiveController:
                 exc = None  # the traceback holds the activations
                 self._oom_here = True
                 free_after_oom(model, self.world.device)
-                # Peers wait in the gradient allreduces: send zeros so they complete, then the flag.
+                # Peers wait in the gradient allreduces: send NaN, so they complete and all skip.
                 finite = self.proxy.synchronize()
                 optimizer.zero_grad()
             if not self.last.get("oom"):
@@ -188,15 +193,19 @@ class AdaptiveController:
     def _synchronize(self, inner: Any) -> bool:
         """The stats allreduce [Σ|g_j|², oom, compute s, previous step's sync s and rest s], then the
         gradient buckets. All ranks call. The stats are started before the bucket wait, so Horovod
-        negotiates them in the buckets' cycle (a separate allreduce after them cost a round of its
-        own, ~3 ms a step over Gloo on pylm); the wait itself is known only after, so the previous
-        step's goes, with the rest of that step's time (data, optimizer step, bookkeeping), which a
-        larger batch amortises and the step-time model must therefore see."""
+        negotiates them in the buckets' cycle, and applied at the next attempt, so their own Gloo
+        round runs behind the optimizer step and the next forward; only a non-finite average (an
+        overflow, or NaN from a rank that ran out of memory) needs them now, and every rank sees it
+        alike. The wait itself is known only after, so the previous step's goes, with the rest of
+        that step's time (data, optimizer step, bookkeeping), which a larger batch amortises and the
+        step-time model must therefore see."""
+        self._apply_stats()
         compute = self.clock.sync_begins()
         if self._oom_here:
             for p in self.model.parameters():
-                p.grad = None  # zero-filled by the reducer
-        if self.meter.flat:
+                p.grad = None
+            inner.launch_rest(fill=math.nan)
+        elif self.meter.flat:
             inner.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
         local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
@@ -205,17 +214,26 @@ class AdaptiveController:
         handle = self.world.allreduce_async(stats, name="hvdtrain.adaptive.stats", op="sum")
         finite = inner.synchronize()
         self.clock.sync_done()
-        total = self.world.wait(handle).tolist()
+        g2 = self.meter.global_sq(inner.flats()) if finite and self.meter.settled else None
+        self._stats = _Stats(handle, None, finite, g2, self.m, self.k)
+        self.last["oom"] = 0.0
+        if not finite:
+            self._apply_stats()
+        return finite and not self.last["oom"]
+
+    def _apply_stats(self) -> None:
+        """Wait for (normally: collect) the last attempt's stats and feed the estimators."""
+        s, self._stats = self._stats, None
+        if s is None:
+            return
+        total = s.values or self.world.wait(s.handle).tolist()
         n = self.world.size
         self.last["oom"] = float(total[1] > 0)
-        if total[1] > 0:
-            return False
-        if finite:
-            count = n * self.k
-            if self.meter.settled:
-                self.noise.update(total[0] / count, self.meter.global_sq(inner.flats()), count, self.m)
-            self.times.record(self.m, total[2] / n / self.k, (total[3] + total[4]) / n)
-        return finite
+        if s.finite:
+            if s.g2 is not None:
+                count = n * s.k
+                self.noise.update(total[0] / count, s.g2, count, s.m)
+            self.times.record(s.m, total[2] / n / s.k, (total[3] + total[4]) / n)
 
     # ---- after the step ----
 
@@ -276,7 +294,12 @@ class AdaptiveController:
     # ---- state ----
 
     def state_dict(self) -> dict[str, Any]:
-        return {"m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
+        # The last step's stats are saved unapplied, so a resumed run applies them where this one will.
+        if self._stats is not None and self._stats.values is None:
+            self._stats.values = self.world.wait(self._stats.handle).tolist()
+        s = self._stats
+        return {"pending_stats": s and [s.values, s.finite, s.g2, s.m, s.k],
+                "m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
                 "samples": self.samples, "probed": self.probed, "ooms": self.ooms,
                 "decisions": [list(d) for d in self.decisions],
                 "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base}
@@ -292,6 +315,19 @@ class AdaptiveController:
         self.noise.load_state_dict(state["noise"])
         self.times.load_state_dict(state["times"])
         self._apply(int(state["m"]), int(state["k"]))
+        pending = state.get("pending_stats")  # absent before 2026-12-05
+        self._stats = _Stats(None, *pending) if pending else None
+
+
+@dataclass
+class _Stats:
+    """One attempt's stats allreduce: its handle until waited on, then its values."""
+    handle: Any
+    values: list[float] | None
+    finite: bool
+    g2: float | None  # |ḡ|², taken before the optimizer step changes the gradients (clipping)
+    m: int
+    k: int
 
 
 def _merge(into: MetricSums, attempt: MetricSums) -> None:

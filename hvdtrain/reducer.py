@@ -35,6 +35,7 @@ class HookedBuckets:
     _bucket_len: list[int]
     _ready: list[int]
     _armed: bool
+    held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
 
     def set_codec(self, name: str) -> None:
         """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
@@ -50,7 +51,7 @@ class HookedBuckets:
             return
         b = self._bucket_of[id(p)]
         self._ready[b] += 1
-        if self._ready[b] == self._bucket_len[b]:
+        if self._ready[b] == self._bucket_len[b] and b != self.held:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
@@ -96,8 +97,10 @@ class GradReducer(HookedBuckets):
         # a single rank registers none: ~0.06 ms per step on a 3 ms digits step.
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if world.size > 1 else []
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int, fill: float | None = None) -> None:
         flat = self._gather(b)
+        if fill is not None:
+            flat.fill_(fill)
         if self.before_launch is not None:
             self.before_launch(b, flat)
         if self.error_feedback and b in self.residuals:
@@ -129,11 +132,13 @@ class GradReducer(HookedBuckets):
                 view.copy_(p.grad)
         return flat
 
-    def launch_rest(self) -> None:
-        """Launch every bucket not launched yet (those with a parameter that got no gradient)."""
+    def launch_rest(self, fill: float | None = None) -> None:
+        """Launch every bucket not launched yet (the held one, those with a parameter that got no
+        gradient), filled with `fill` if given: NaN from a rank that cannot send a gradient makes the
+        average non-finite on every rank, so all of them skip the step without another collective."""
         for b in range(len(self.buckets)):
             if b not in self._pending:
-                self._launch(b)
+                self._launch(b, fill)
 
     def flats(self) -> list[torch.Tensor | None]:
         """Each bucket's flat buffer: after `synchronize`, the averaged gradient."""

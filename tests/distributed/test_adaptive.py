@@ -80,6 +80,29 @@ def test_oom_on_one_rank_retries_same_samples_with_same_batch_and_lr(world):
     torch.testing.assert_close(flat_params(model), flat_params(reference_model), rtol=1e-5, atol=1e-6)
 
 
+def test_oom_mid_backward_after_buckets_left_still_skips_on_every_rank(world):
+    # One micro-batch a step and a bucket per tensor: half the buckets are on the wire when the
+    # OOM hits, and the held last one carries the NaN that tells every rank to skip and retry.
+    def config(**overrides):
+        cfg = adaptive_config(**overrides)
+        return dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, bucket_mb=1e-6))
+
+    data, oom_step = Indexed(192), 3
+    per_rank = 8 if world.size > 1 else 16  # one rank alone runs k >= 2 (as 8 x 2)
+    injected = config(batch_size=per_rank, accumulation=1, inject_oom_above=4, inject_oom_rank=world.size - 1,
+                      inject_oom_step=oom_step, inject_oom_in="backward")
+    model, reference_model = mlp(seed=4), mlp(seed=4)
+    result = hvdtrain.fit(world, model, None, data, injected, loss_fn=recording_loss([]))
+    reference = hvdtrain.fit(world, reference_model, None, data, config(batch_size=4, accumulation=per_rank // 4),
+                             loss_fn=recording_loss([]))
+    got, want = adaptive_records(result.history), adaptive_records(reference.history)
+    assert [r["ooms"] for r in got][oom_step - 1:oom_step + 1] == [0, 1]
+    assert [(r["m"], r["k"]) for r in got[oom_step:]] == [(4, per_rank // 4)] * (len(got) - oom_step)
+    assert [r["B"] for r in got] == [r["B"] for r in want] and result.step == reference.step
+    assert not any(r.get("event") == "skip" for r in result.history)  # retried, not skipped
+    torch.testing.assert_close(flat_params(model), flat_params(reference_model), rtol=1e-5, atol=1e-6)
+
+
 def growing_config(**overrides):
     # theta = 0.1 puts the norm-test floor at 100x the noise scale, above B_max: every decision grows
     # the batch as far as allowed, whatever the timings, so runs are reproducible.
