@@ -2,21 +2,20 @@
 progress τ (steps of the starting batch B0 worth of progress); global batch B = ranks·m·k.
 
 Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp64
-stats allreduce per optimizer step attempt, started before the gradient buckets are waited on (so it
-rides in their negotiation cycle) and waited on at the next attempt (by then it is long done: a wait
-right after the buckets cost a second Gloo round, ~2 ms a step over a 200 Mbit/s link); on decision
-steps (every D steps after warm-up, by the step counter alone) one broadcast of rank 0's decision.
-An OOM on one rank never skips a collective: that rank fills the buckets it has not sent with NaN
-and still synchronizes (the reducer holds its last bucket back until then, so one is always left),
-every rank sees a non-finite average, waits for the stats now, and their OOM flag makes every rank
-skip the attempt and retry the same samples with a smaller m and a larger k (same B, same LR).
+stats allreduce per optimizer step attempt (hvdtrain/stepstats.py: started with the gradient
+buckets, collected a step later); on decision steps (every D steps after warm-up, by the step
+counter alone) one broadcast of rank 0's decision. An OOM on one rank never skips a collective:
+that rank sends NaN in the buckets it has not sent (the reducer holds backward's last bucket until
+synchronize, so one is always left), every rank sees a non-finite average and collects the stats
+at once, and their OOM flag makes every rank skip the attempt and retry the same samples with a
+smaller m and a larger k (same B, same LR).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from hvdtrain.errors import ConfigError, TrainingStopped
 from hvdtrain.gns import GradNormMeter, NoiseScale
 from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe
 from hvdtrain.metrics import MetricSums, TrainLog
+from hvdtrain.stepstats import StepStats
 from hvdtrain.world import World
 
 
@@ -76,13 +76,13 @@ class AdaptiveController:
         self.proxy = _StatsReducer(self, reducer)
         reducer.adopt_hooks(self.meter._hooks)
         reducer.held = len(reducer.buckets) - 1  # backward's last bucket: an OOM can always poison it
-        self._stats: _Stats | None = None  # the last attempt's, not yet applied
+        self.stats = StepStats(world, self.noise, self.times)
         if hasattr(reducer, "before_launch") and self.meter.use_buckets(reducer.buckets):
             reducer.before_launch = self.meter.bucket_ready
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
-        self.last: dict[str, float] = {}
+        self.probe_report: dict[str, Any] | None = None  # logged after the first step
         self._oom_here, self.clock = False, goodput.StepClock()
         sampler.variable = True
         self._apply(self.m, self.k)
@@ -94,6 +94,10 @@ class AdaptiveController:
     @property
     def progress(self) -> float:
         return self.tau
+
+    def finish(self) -> None:
+        """After the last step, on every rank: the last stats are applied and nothing is left in flight."""
+        self.stats.collect()
 
     def _apply(self, m: int, k: int) -> None:
         self.m, self.k = m, k
@@ -120,6 +124,7 @@ class AdaptiveController:
         self.proxy.inner.arm(last_micro_batch=False)  # the probe's backwards must not launch collectives
         prober = Prober(self.model, self.optimizer, self.dataset, self.loss_fn, self.world.device, self.injector)
         limit = self.ac.max_micro_batch or self.max_batch // self.world.size
+        started = time.perf_counter()
         result = probe(self.world, self.ac, prober, self.m, limit)
         self.cap, self.probed = result.cap, True
         self.sizes = sorted(set(self.sizes) | set(result.seconds))
@@ -129,7 +134,9 @@ class AdaptiveController:
         if self.m > self.cap or self.m < result.preferred:
             m = goodput.largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))
             self._apply(m, per_rank // m)
-        self.last["probe_cap"], self.last["probe_preferred"] = self.cap, result.preferred
+        self.probe_report = {"cap": self.cap, "preferred": result.preferred, "m": self.m, "k": self.k,
+                             "seconds": round(time.perf_counter() - started, 3),
+                             "step_ms": {str(m): round(1000 * t, 2) for m, t in sorted(result.seconds.items())}}
 
     # ---- one optimizer step ----
 
@@ -163,7 +170,7 @@ class AdaptiveController:
                 # Peers wait in the gradient allreduces: send NaN, so they complete and all skip.
                 finite = self.proxy.synchronize()
                 optimizer.zero_grad()
-            if not self.last.get("oom"):
+            if not self.stats.oom:
                 _merge(sums, attempt)
                 return finite
             self._shrink_after_oom()
@@ -191,15 +198,10 @@ class AdaptiveController:
             self.injector.fire(self.m)
 
     def _synchronize(self, inner: Any) -> bool:
-        """The stats allreduce [Σ|g_j|², oom, compute s, previous step's sync s and rest s], then the
-        gradient buckets. All ranks call. The stats are started before the bucket wait, so Horovod
-        negotiates them in the buckets' cycle, and applied at the next attempt, so their own Gloo
-        round runs behind the optimizer step and the next forward; only a non-finite average (an
-        overflow, or NaN from a rank that ran out of memory) needs them now, and every rank sees it
-        alike. The wait itself is known only after, so the previous step's goes, with the rest of
-        that step's time (data, optimizer step, bookkeeping), which a larger batch amortises and the
+        """The stats allreduce (hvdtrain/stepstats.py), then the gradient buckets. All ranks call.
+        The wait itself is known only after, so the previous step's goes, with the rest of that
+        step's time (data, optimizer step, bookkeeping), which a larger batch amortises and the
         step-time model must therefore see."""
-        self._apply_stats()
         compute = self.clock.sync_begins()
         if self._oom_here:
             for p in self.model.parameters():
@@ -209,31 +211,11 @@ class AdaptiveController:
             inner.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
         local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
-        stats = torch.tensor([local, float(self._oom_here), compute, self.clock.sync, self.clock.rest],
-                             dtype=torch.float64)
-        handle = self.world.allreduce_async(stats, name="hvdtrain.adaptive.stats", op="sum")
+        handle = self.stats.start(local, self._oom_here, compute, self.clock.sync, self.clock.rest)
         finite = inner.synchronize()
         self.clock.sync_done()
         g2 = self.meter.global_sq(inner.flats()) if finite and self.meter.settled else None
-        self._stats = _Stats(handle, None, finite, g2, self.m, self.k)
-        self.last["oom"] = 0.0
-        if not finite:
-            self._apply_stats()
-        return finite and not self.last["oom"]
-
-    def _apply_stats(self) -> None:
-        """Wait for (normally: collect) the last attempt's stats and feed the estimators."""
-        s, self._stats = self._stats, None
-        if s is None:
-            return
-        total = s.values or self.world.wait(s.handle).tolist()
-        n = self.world.size
-        self.last["oom"] = float(total[1] > 0)
-        if s.finite:
-            if s.g2 is not None:
-                count = n * s.k
-                self.noise.update(total[0] / count, s.g2, count, s.m)
-            self.times.record(s.m, total[2] / n / s.k, (total[3] + total[4]) / n)
+        return self.stats.settle(handle, finite, g2, self.m, self.k)
 
     # ---- after the step ----
 
@@ -254,6 +236,11 @@ class AdaptiveController:
         log.bar.set_postfix(loss=loss, B=self.batch, m=self.m, k=self.k, lr=f"x{self.lr_factor:.2f}",
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
         self.clock.step_done()
+        if self.probe_report:
+            r, self.probe_report = self.probe_report, None
+            log.event(step, "probe", **r)
+            log.bar.write(f"hvdtrain: memory probe: micro-batch cap {r['cap']}, fastest per sample from "
+                          f"{r['preferred']}, starting at m={r['m']} k={r['k']} ({r['seconds']:.2f} s)")
         if self.milestones:
             self._follow_decays(step, log)
         elif step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
@@ -294,11 +281,7 @@ class AdaptiveController:
     # ---- state ----
 
     def state_dict(self) -> dict[str, Any]:
-        # The last step's stats are saved unapplied, so a resumed run applies them where this one will.
-        if self._stats is not None and self._stats.values is None:
-            self._stats.values = self.world.wait(self._stats.handle).tolist()
-        s = self._stats
-        return {"pending_stats": s and [s.values, s.finite, s.g2, s.m, s.k],
+        return {"pending_stats": self.stats.state_dict(),
                 "m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
                 "samples": self.samples, "probed": self.probed, "ooms": self.ooms,
                 "decisions": [list(d) for d in self.decisions],
@@ -315,19 +298,7 @@ class AdaptiveController:
         self.noise.load_state_dict(state["noise"])
         self.times.load_state_dict(state["times"])
         self._apply(int(state["m"]), int(state["k"]))
-        pending = state.get("pending_stats")  # absent before 2026-12-05
-        self._stats = _Stats(None, *pending) if pending else None
-
-
-@dataclass
-class _Stats:
-    """One attempt's stats allreduce: its handle until waited on, then its values."""
-    handle: Any
-    values: list[float] | None
-    finite: bool
-    g2: float | None  # |ḡ|², taken before the optimizer step changes the gradients (clipping)
-    m: int
-    k: int
+        self.stats.load_state_dict(state.get("pending_stats"))  # absent before 2026-12-05
 
 
 def _merge(into: MetricSums, attempt: MetricSums) -> None:

@@ -298,6 +298,8 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
                 elastic.step_done(step, done)
             if done:
                 break
+    if ctl:
+        ctl.finish()
     memprof.finish(log, step)
     log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped)
     log.close()

@@ -197,3 +197,34 @@ def test_decay_to_batch_turns_each_lr_decay_into_batch_growth_until_the_cap(worl
     changes = [(r["step"], r["new"]) for r in result.history if r.get("event") == "batch"]
     every = world.allgather_object(changes, name="t.adaptive.decays")
     assert all(c == changes for c in every)
+
+
+def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at_once(world):
+    from hvdtrain.gns import NoiseScale
+    from hvdtrain.goodput import StepTimeModel
+    from hvdtrain.stepstats import StepStats
+
+    def fresh():
+        noise = NoiseScale(0.9, 8)
+        return StepStats(world, noise, StepTimeModel({})), noise
+
+    stats, noise = fresh()
+    for step in range(3):  # a few steps so the averages have history
+        handle = stats.start(4.0 + step + world.rank, False, 0.02, 0.005, 0.001)
+        assert stats.settle(handle, True, 1.5, m=4, k=2)
+    before = noise.state_dict()
+    saved = stats.state_dict()  # the third step's stats, waited on but not applied
+    assert noise.state_dict() == before and saved is not None
+    stats.collect()
+    assert noise.state_dict() != before and 4 in stats.times.micro
+    resumed, resumed_noise = fresh()
+    resumed_noise.load_state_dict(before)
+    resumed.load_state_dict(saved)
+    resumed.collect()
+    assert resumed_noise.state_dict() == noise.state_dict()
+    # A non-finite average (here: an OOM on the last rank) is collected at once, flag and all.
+    handle = stats.start(0.0, world.rank == world.size - 1, 0.02, 0.005, 0.001)
+    assert not stats.settle(handle, False, None, m=4, k=2)
+    assert stats.oom and stats.pending is None
+    handle = stats.start(4.0, False, 0.02, 0.005, 0.001)
+    assert not stats.settle(handle, False, None, m=4, k=2) and not stats.oom  # an overflow, not an OOM

@@ -1,0 +1,82 @@
+"""The adaptive controller's per-step statistics: one fp64 Sum allreduce (never compressed) of
+[Σ local |g_j|², OOM flag, compute s, previous step's sync s and rest s], started with the gradient
+buckets and collected a step later.
+
+Started before the bucket wait, Horovod negotiates it in the buckets' cycle (issued after them it
+cost a round of its own, ~3 ms a step over Gloo on pylm). Waited on right after the buckets, Gloo
+still ran it as a second round: 1.4-3.5 ms of a 33-36 ms step over a 200 Mbit/s link. Collected at
+the next attempt instead, it runs behind the optimizer step and the next forward. Only a
+non-finite average (an overflow, or NaN from a rank that ran out of memory) needs it at once, and
+every rank sees that alike, so every rank waits at the same point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hvdtrain.gns import NoiseScale
+from hvdtrain.goodput import StepTimeModel
+from hvdtrain.world import World
+
+
+@dataclass
+class _Pending:
+    handle: Any  # until waited on
+    values: list[float] | None  # after
+    finite: bool
+    g2: float | None  # |ḡ|², taken before the optimizer step can change the gradients (clipping)
+    m: int
+    k: int
+
+
+class StepStats:
+    """Feeds `noise` and `times` one step late; `oom` is the flag of the last attempt collected."""
+
+    def __init__(self, world: World, noise: NoiseScale, times: StepTimeModel) -> None:
+        self.world, self.noise, self.times = world, noise, times
+        self.pending: _Pending | None = None
+        self.oom = False
+
+    def start(self, local: float, oom: bool, compute: float, sync: float, rest: float) -> Any:
+        """All ranks call, before waiting on the gradient buckets. The previous attempt's stats are
+        collected first: Horovod refuses a second tensor of the same name while one is queued."""
+        self.collect()
+        values = torch.tensor([local, float(oom), compute, sync, rest], dtype=torch.float64)
+        return self.world.allreduce_async(values, name="hvdtrain.adaptive.stats", op="sum")
+
+    def settle(self, handle: Any, finite: bool, g2: float | None, m: int, k: int) -> bool:
+        """After the bucket wait: keep this attempt's stats for later, or collect them now if the
+        average is not finite. True if the attempt may step (finite, and no rank ran out of memory)."""
+        self.pending, self.oom = _Pending(handle, None, finite, g2, m, k), False
+        if not finite:
+            self.collect()
+        return finite and not self.oom
+
+    def collect(self) -> None:
+        """Wait for (normally: pick up) the pending stats and apply them. Each rank on its own."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        total = p.values or self.world.wait(p.handle).tolist()
+        n = self.world.size
+        self.oom = total[1] > 0
+        if p.finite:
+            if p.g2 is not None:
+                count = n * p.k
+                self.noise.update(total[0] / count, p.g2, count, p.m)
+            self.times.record(p.m, total[2] / n / p.k, (total[3] + total[4]) / n)
+
+    def state_dict(self) -> list | None:
+        """The pending stats, unapplied: a resumed run applies them where this one will."""
+        p = self.pending
+        if p is None:
+            return None
+        if p.values is None:
+            p.values = self.world.wait(p.handle).tolist()
+        return [p.values, p.finite, p.g2, p.m, p.k]
+
+    def load_state_dict(self, state: list | None) -> None:
+        self.pending = _Pending(None, *state) if state else None
