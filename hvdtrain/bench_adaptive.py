@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="", metavar="TASK=B/B...,...",
                    help="override a task's fixed global batches, smallest first (the smallest is the adaptive "
                         "run's start, the largest its cap), e.g. pylm=8/16/32/64/128")
+    p.add_argument("--best-lrs", default="", metavar="TASK=B:LR/B:LR...,...",
+                   help="each fixed global batch with the lr an earlier grid found best for it, e.g. "
+                        "pylm=8:0.002/32:0.003: no grid is searched, and every seed runs every batch")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run of every task, e.g. optim.clip_grad_norm=1.0 (repeatable)")
     p.add_argument("--adaptive", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
@@ -152,17 +155,19 @@ def _variants(texts: list[str]) -> dict[str, dict[str, Any]]:
 
 def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, target: float | None,
           variants: dict[str, dict[str, Any]], lrs: list[float] | None = None,
-          batches: list[int] | None = None, overrides: list[str] | None = None) -> None:
+          batches: list[int] | None = None, overrides: list[str] | None = None,
+          best_lrs: dict[int, float] | None = None) -> None:
     from hvdtrain import config as config_mod
 
     spec = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
-    if batches:
-        spec["batches"] = [b // world.size for b in batches]
+    if batches or best_lrs:
+        spec["batches"] = [b // world.size for b in batches or best_lrs]
     base = config_mod.build(None, spec["set"] + list(overrides or []) + ["log.progress=false", "log.tensorboard=false"],
                              task=name)
-    best: dict[int, tuple[float, float]] = {}
+    # With best lrs given, the first seed runs like the others: (time, lr) with no time measured.
+    best = {b // world.size: (float("nan"), lr) for b, lr in (best_lrs or {}).items()}
     runs: list[dict] = []
-    for m in spec["batches"]:  # lr grid on the first seed
+    for m in spec["batches"] if not best else []:  # lr grid on the first seed
         for lr in spec["lrs"]:
             r = _one(world, base, name, 0, m, lr, None, spec, budget, eval_samples)
             runs.append(r)
@@ -173,7 +178,7 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, t
     adaptive = {"max_batch": world.size * spec["batches"][-1], "warmup_steps": 10, "decide_every": 10,
                 "smoothing": 0.99}
     for seed in range(seeds):
-        if seed:
+        if seed or best_lrs:
             runs += [_one(world, base, name, seed, m, best[m][1], None, spec, budget, eval_samples)
                      for m in spec["batches"]]
         for variant, overrides in variants.items():
@@ -214,15 +219,22 @@ def run(args: argparse.Namespace) -> int:
     targets = _per_task("--targets", args.targets, "pylm=1.6", float)
     lrs = _per_task("--lrs", args.lrs, "pylm=0.001/0.003", lambda v: [float(x) for x in v.split("/")])
     batches = _per_task("--batches", args.batches, "pylm=8/16/32", lambda v: [int(x) for x in v.split("/")])
+    best_lrs = _per_task("--best-lrs", args.best_lrs, "pylm=8:0.002/32:0.003",
+                         lambda v: {int(b): float(lr) for b, lr in (x.split(":") for x in v.split("/"))})
+    both = sorted(set(best_lrs) & (set(lrs) | set(batches)))
+    if both:
+        raise ConfigError(f"--best-lrs {both[0]}=... replaces the grid and the batches; drop --lrs/--batches "
+                          f"{both[0]}=...")
     variants = _variants(args.variants)
     world = World.init()
-    for name, sizes in batches.items():  # the same check on every rank, before any of them trains
+    given = [("--batches", k, v) for k, v in batches.items()] + [("--best-lrs", k, [*v]) for k, v in best_lrs.items()]
+    for flag, name, sizes in given:  # the same check on every rank, before any of them trains
         if sizes != sorted(set(sizes)) or any(b <= 0 or b % world.size for b in sizes):
-            raise ConfigError(f"--batches {name}={'/'.join(map(str, sizes))}: expected distinct global batches, "
+            raise ConfigError(f"{flag} {name}={'/'.join(map(str, sizes))}: expected distinct global batches, "
                               f"smallest first, each a positive multiple of the {world.size} ranks")
     for name in names:
         _task(world, name, args.seeds, args.budget_s, args.eval_samples, targets.get(name), variants,
-              lrs.get(name), batches.get(name), args.overrides)
+              lrs.get(name), batches.get(name), args.overrides, best_lrs.get(name))
     return 0
 
 

@@ -335,6 +335,12 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
     assert "--batches pylm=16/8: expected distinct global batches, smallest first" in capsys.readouterr().err
     assert main(["bench", "adaptive", "--tasks", "pylm", "--batches", "pylm=8/x"]) == 2
     assert "--batches 'pylm=8/x': expected TASK=VALUE" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--best-lrs", "pylm=8:0.002/32"]) == 2
+    assert "--best-lrs 'pylm=8:0.002/32': expected TASK=VALUE" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--best-lrs", "pylm=32:0.003/8:0.002"]) == 2
+    assert "--best-lrs pylm=32/8: expected distinct global batches, smallest first" in capsys.readouterr().err
+    assert main(["bench", "adaptive", "--tasks", "pylm", "--best-lrs", "pylm=8:0.002", "--lrs", "pylm=0.1"]) == 2
+    assert "--best-lrs pylm=... replaces the grid and the batches" in capsys.readouterr().err
     assert main(["bench", "adaptive", "--tasks", "pylm", "--set", "optim.nope=1"]) == 2
     assert "unknown key optim.nope; allowed: clip_grad_norm" in capsys.readouterr().err
 
