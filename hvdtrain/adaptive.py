@@ -285,9 +285,16 @@ class AdaptiveController:
                 "m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
                 "samples": self.samples, "probed": self.probed, "ooms": self.ooms,
                 "decisions": [list(d) for d in self.decisions],
-                "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base}
+                "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base,
+                "max_batch": self.max_batch, "ranks": self.world.size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], new_world: bool = False) -> None:
+        """`new_world`: an elastic reset; B0 and B_max stay the first world's, (m, k) are reshaped for
+        this world's size and the memory probe runs again (its hosts may differ)."""
+        if new_world:
+            self.base, self.max_batch = int(state["base"]), int(state["max_batch"])
+            self.noise = NoiseScale(self.ac.smoothing, self.base)
+            self.stats.noise = self.noise
         if int(state["base"]) != self.base:
             raise ConfigError(f"the checkpoint's starting global batch is {state['base']}, this run's is {self.base}; "
                               "resume with the same ranks x train.batch_size x train.accumulation")
@@ -299,6 +306,10 @@ class AdaptiveController:
         self.times.load_state_dict(state["times"])
         self._apply(int(state["m"]), int(state["k"]))
         self.stats.load_state_dict(state.get("pending_stats"))  # absent before 2026-12-05
+        if new_world:
+            old = int(state["ranks"]) * self.m * self.k
+            self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
+            self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))
 
 
 def _merge(into: MetricSums, attempt: MetricSums) -> None:

@@ -139,9 +139,6 @@ def check_combinations(c: Any) -> None:
         raise ConfigError("adaptive.policy=decay_to_batch needs optim.schedule=step with optim.milestones, and "
                           f"adaptive.lr_rule adascale or linear (got schedule={c.optim.schedule!r}, "
                           f"lr_rule={c.adaptive.lr_rule!r})")
-    if c.adaptive.enabled and c.elastic.enabled:
-        raise ConfigError("adaptive.enabled and elastic.enabled cannot be combined yet (an elastic reset would "
-                          "need a new memory probe and a re-dealt variable batch); turn one off")
     if c.elastic.enabled and c.memory.zero_stage:
         # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
         raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "

@@ -84,7 +84,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         n, m, k = self.world.size, self.micro_batch, self.accumulation
         window = self._permutation()[self.consumed:self.consumed + self.global_batch]
         mine = window[self.world.rank::n]
-        return [mine[j * m:(j + 1) * m].tolist() for j in range(k)]
+        step = [mine[j * m:(j + 1) * m].tolist() for j in range(k)]
+        if self.trace:  # one call per step attempt: an OOM retry's call replaces the failed one's
+            self._drawn = [list(micro) for micro in step]
+        return step
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

@@ -12,7 +12,9 @@ How a change of world plays out (Horovod's `hvd.elastic.run` drives it):
   then a new `World` and gradient reducer are made for the new size (bucket names and codecs depend
   on it) and the loop resumes at the committed step.
 
-Batch policy: the global batch B of the first world is kept for the whole run. Each step still
+Batch policy: the global batch B of the first world is kept for the whole run (with adaptive batch
+sizing, B is the controller's: it is kept where the new size divides it, else the nearest B that
+one does, and the lr follows B; the memory probe runs again in the new world). Each step still
 trains on the same slice of the epoch's permutation, dealt over however many ranks there are (in
 micro-batches of at most train.batch_size, uneven shares weighted exactly), so the learning rate,
 its schedule, the number of steps and the samples of every step are those of an undisturbed run.
@@ -105,12 +107,38 @@ class ElasticState(State):
         self.resets += 1
 
 
+class AdaptiveCarry:
+    """Carries the batch-size controller's state from one world to the next: each world builds its
+    own controller (its world, reducer and probe are that world's), which `attach` hands this state."""
+
+    def __init__(self) -> None:
+        self.ctl: Any = None  # this world's controller, once attached
+        self.state: dict[str, Any] | None = None  # committed or synced, for the next world's controller
+        self.stale: Any = None  # a dead world's controller, whose norm hooks are still on the parameters
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.ctl.state_dict() if self.ctl is not None else self.state
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        # A restore or sync happens between worlds: the controller attached now belongs to the old one.
+        self.stale, self.ctl = self.ctl or self.stale, None
+        self.state = state
+
+    def attach(self, ctl: Any) -> None:
+        if self.stale is not None:
+            self.stale.meter.remove()
+        if self.state is not None:
+            ctl.load_state_dict(self.state, new_world=True)
+        self.ctl, self.state, self.stale = ctl, None, None
+
+
 class Session:
     """The hooks `_fit` calls in one world of an elastic run."""
 
     def __init__(self, state: ElasticState, world: World, cfg: Config) -> None:
         self.state, self.world, self.every = state, world, cfg.elastic.commit_every
         self.sampler = state.sampler
+        self.adaptive: AdaptiveCarry | None = state.extra.get("adaptive")  # type: ignore[assignment]
         self.trace = Path(cfg.log.dir) / "samples.jsonl" if cfg.elastic.trace_samples and cfg.log.dir else None
         state.sampler.take_drawn()  # micro-batches of a step that failed before the reset
 
@@ -165,6 +193,8 @@ def fit_elastic(world: World, model: nn.Module, optimizer: torch.optim.Optimizer
     sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle,
                                   keep_global_batch=True)
     sampler.trace = cfg.elastic.trace_samples
+    if cfg.adaptive.enabled:
+        extra = {**(extra or {}), "adaptive": AdaptiveCarry()}
     state = ElasticState(model, optimizer, sampler, extra)
 
     def train(state: ElasticState) -> Any:

@@ -243,6 +243,15 @@ def start_shape(ranks: int, batch_size: int, accumulation: int, max_batch: int,
     return base, top, min_k, m, per_rank // m
 
 
+def reshape(batch: int, ranks: int, m: int, min_k: int, max_batch: int) -> tuple[int, int]:
+    """(m, k) for a world of `ranks` with the global batch nearest `batch` (an elastic world change:
+    B is kept when the new size divides it, and the lr follows whatever B results), at most the
+    old micro-batch; the probe that follows in the new world may reshape m again, keeping m·k."""
+    per_rank = max(min_k, min(round(batch / ranks), max_batch // ranks))
+    m = largest_divisor(per_rank, min(m, per_rank / min_k))
+    return m, per_rank // m
+
+
 def largest_divisor(n: int, at_most: float) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
 

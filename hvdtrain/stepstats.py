@@ -30,6 +30,7 @@ class _Pending:
     g2: float | None  # |ḡ|², taken before the optimizer step can change the gradients (clipping)
     m: int
     k: int
+    ranks: int  # of the world that sent them: an elastic reset may apply them in another
 
 
 class StepStats:
@@ -50,7 +51,7 @@ class StepStats:
     def settle(self, handle: Any, finite: bool, g2: float | None, m: int, k: int) -> bool:
         """After the bucket wait: keep this attempt's stats for later, or collect them now if the
         average is not finite. True if the attempt may step (finite, and no rank ran out of memory)."""
-        self.pending, self.oom = _Pending(handle, None, finite, g2, m, k), False
+        self.pending, self.oom = _Pending(handle, None, finite, g2, m, k, self.world.size), False
         if not finite:
             self.collect()
         return finite and not self.oom
@@ -61,7 +62,7 @@ class StepStats:
         if p is None:
             return
         total = p.values or self.world.wait(p.handle).tolist()
-        n = self.world.size
+        n = p.ranks
         self.oom = total[1] > 0
         if p.finite:
             if p.g2 is not None:
@@ -76,7 +77,9 @@ class StepStats:
             return None
         if p.values is None:
             p.values = self.world.wait(p.handle).tolist()
-        return [p.values, p.finite, p.g2, p.m, p.k]
+        return [p.values, p.finite, p.g2, p.m, p.k, p.ranks]
 
     def load_state_dict(self, state: list | None) -> None:
+        if state and len(state) == 5:  # saved before the world size was; a checkpoint resume keeps it
+            state = [*state, self.world.size]
         self.pending = _Pending(None, *state) if state else None

@@ -233,6 +233,8 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ckpt = Checkpointer(cfg.checkpoint, world)
     precision, memprof = Precision.from_config(cfg.memory, world.device), MemoryProfiler(world, cfg, model, optimizer)
     ctl = adaptive.build(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, train_step)
+    if ctl and elastic:
+        elastic.adaptive.attach(ctl)  # a later world's controller takes over the last one's state
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
     restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(),
                       precision, ctl)

@@ -71,14 +71,15 @@ def _accuracy(output: str) -> float:
     return float(m.group(1))
 
 
-def _disturbed_run(tmp_path: Path) -> tuple[str, dict[int, dict], float]:
+def _disturbed_run(tmp_path: Path, *sets: str) -> tuple[str, dict[int, dict], float]:
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     out = tmp_path / "elastic"
     # Two names for this machine: Horovod blacklists a failed worker's host, and a job whose every
     # host is blacklisted stops. The cooldown lets 127.0.0.1 rejoin once the discovery lists it again.
     cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", f"{DISCOVER} {hosts}", "--blacklist-cooldown-range", "1", "2", *_args(out, 0.05)]
+           "--host-discovery-script", f"{DISCOVER} {hosts}", "--blacklist-cooldown-range", "1", "2",
+           *_args(out, 0.05, *sets)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
                             start_new_session=True)
     started = time.monotonic()
@@ -133,3 +134,47 @@ def test_worker_lost_and_back_trains_every_sample_once_and_matches_undisturbed(t
     ref_accuracy = _accuracy(ref_out)
     print(f"accuracy: elastic {accuracy:.4f}, undisturbed {ref_accuracy:.4f}")
     assert abs(accuracy - ref_accuracy) <= 0.005, (accuracy, ref_accuracy)
+
+
+def _epochs(order: list[int]) -> list[list[int]]:
+    """Cut the samples in the order trained into passes: a pass ends where a sample comes again."""
+    passes: list[list[int]] = [[]]
+    for i in order:
+        if i in passes[-1]:
+            passes.append([])
+        passes[-1].append(i)
+    return passes
+
+
+def test_adaptive_batch_survives_worker_lost_and_back(tmp_path):
+    """The controller's state goes through commits, rollbacks and syncs: each new world re-probes and
+    keeps the global batch (or the nearest one its size divides), and no sample of an epoch is lost
+    or trained twice."""
+    output, trace, accuracy = _disturbed_run(
+        tmp_path, "train.epochs=8", "adaptive.enabled=true", "adaptive.max_batch=192", "adaptive.warmup_steps=4",
+        "adaptive.decide_every=4", "adaptive.norm_test=0")
+    records = [json.loads(line) for line in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()]
+    events = lambda name: [r for r in records if r.get("event") == name]  # noqa: E731
+    starts, probes = events("start"), events("probe")
+    print("worlds:", [r["world_size"] for r in starts],
+          "probes:", [(r["step"], r["cap"], r["m"], r["k"]) for r in probes],
+          "batch changes:", [(r["step"], r["old"], r["new"]) for r in events("batch")])
+    assert len(starts) >= 3 and len(probes) >= 3  # a probe in every world that trained
+    assert sorted(trace) == list(range(1, len(trace) + 1))
+    sizes = [trace[s]["world_size"] for s in sorted(trace)]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, _spans(sizes)
+    batches = [sum(map(len, trace[s]["ranks"])) for s in sorted(trace)]
+    changed = {r["step"] + 1 for r in events("batch")}  # a decision on step t shapes step t + 1
+    for s in range(1, len(batches)):  # only a decision changes B; a world change only rounds it
+        rounded = abs(batches[s] - batches[s - 1]) < sizes[s] and sizes[s] != sizes[s - 1]
+        assert batches[s] == batches[s - 1] or rounded or s + 1 in changed, (s + 1, batches[s - 1], batches[s])
+    assert max(batches) > 96  # the controller did act
+    for step, record in trace.items():
+        shares = record["ranks"]
+        flat = [i for share in shares for i in share]
+        assert len(flat) == len(set(flat)), step
+        assert len(set(map(len, shares))) == 1, step  # equal shares: n x m x k
+    order = [i for s in sorted(trace) for share in trace[s]["ranks"] for i in share]
+    passes = _epochs(order)
+    assert len(passes) <= 8 and all(len(p) > 1257 - 192 for p in passes[:-1]), [len(p) for p in passes]
+    assert accuracy >= 0.9, accuracy

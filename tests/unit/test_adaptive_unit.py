@@ -457,3 +457,11 @@ def test_step_time_model_prices_tiny_micro_batches_by_the_measured_fixed_cost():
     # Equal goodput (alpha = 0, same B): the largest micro-batch wins, not the last bit.
     flat = goodput.StepTimeModel({4: 0.4, 8: 0.8})
     assert goodput.decide(limits(hysteresis=0.0), flat, 1e6, (4, 2), [1, 2, 4, 8]) in {(8, 1), (8, 2)}
+
+
+def test_reshape_for_a_new_world_keeps_the_batch_where_the_size_divides_it():
+    assert goodput.reshape(96, 2, 32, 1, 384) == (24, 2)  # 48 a rank, micro-batches of at most 32
+    assert goodput.reshape(192, 3, 32, 1, 384) == (32, 2)  # 64 a rank
+    assert goodput.reshape(128, 3, 64, 1, 384) == (43, 1)  # 128 / 3: the nearest, 129
+    assert goodput.reshape(384, 1, 64, 2, 256) == (64, 4)  # capped at B_max; one rank keeps k >= 2
+    assert goodput.reshape(8, 4, 4, 1, 64) == (2, 1)
