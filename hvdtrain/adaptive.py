@@ -289,8 +289,9 @@ class AdaptiveController:
                 "max_batch": self.max_batch, "ranks": self.world.size}
 
     def load_state_dict(self, state: dict[str, Any], new_world: bool = False) -> None:
-        """`new_world`: an elastic reset; B0 and B_max stay the first world's, (m, k) are reshaped for
-        this world's size and the memory probe runs again (its hosts may differ)."""
+        """`new_world`: an elastic reset; B0 and B_max stay the first world's. Whenever the saved
+        world had another size (an elastic run's checkpoint, too), (m, k) are reshaped for this one
+        and the memory probe runs again (its hosts may differ)."""
         if new_world:
             self.base, self.max_batch = int(state["base"]), int(state["max_batch"])
             self.noise = NoiseScale(self.ac.smoothing, self.base)
@@ -306,7 +307,7 @@ class AdaptiveController:
         self.times.load_state_dict(state["times"])
         self._apply(int(state["m"]), int(state["k"]))
         self.stats.load_state_dict(state.get("pending_stats"))  # absent before 2026-12-05
-        if new_world:
+        if new_world or int(state.get("ranks", self.world.size)) != self.world.size:
             old = int(state["ranks"]) * self.m * self.k
             self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
             self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))

@@ -465,3 +465,24 @@ def test_reshape_for_a_new_world_keeps_the_batch_where_the_size_divides_it():
     assert goodput.reshape(128, 3, 64, 1, 384) == (43, 1)  # 128 / 3: the nearest, 129
     assert goodput.reshape(384, 1, 64, 2, 256) == (64, 4)  # capped at B_max; one rank keeps k >= 2
     assert goodput.reshape(8, 4, 4, 1, 64) == (2, 1)
+
+
+def test_a_checkpoint_from_another_world_size_keeps_its_batch_and_probes_again():
+    # An elastic run at 2 ranks checkpoints B = 64; a relaunch on 1 rank (same B0 = 16) resumes it.
+    from hvdtrain.reducer import GradReducer
+
+    def controller(world, batch_size):
+        cfg = Config(adaptive=AdaptiveConfig(enabled=True, max_batch=64), train=TrainConfig(batch_size=batch_size))
+        model = mlp()
+        return AdaptiveController(world, cfg, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  GradReducer(world, model.named_parameters()),
+                                  ShardedBatchSampler(192, world, batch_size), blobs(n=192), classification_loss,
+                                  lambda *a: True)
+
+    saved = controller(fake_world(0, 2), 8)
+    saved._apply(16, 2)
+    saved.probed = True
+    resumed = controller(fake_world(0, 1), 16)
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.m, resumed.k, resumed.batch) == (16, 4, 64)  # not 1 x 16 x 2 = 32
+    assert resumed.sampler.global_batch == 64 and not resumed.probed
