@@ -114,22 +114,21 @@ class AdaptiveCarry:
     def __init__(self) -> None:
         self.ctl: Any = None  # this world's controller, once attached
         self.state: dict[str, Any] | None = None  # committed or synced, for the next world's controller
-        self.stale: Any = None  # a dead world's controller, whose norm hooks are still on the parameters
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.ctl.state_dict() if self.ctl is not None else self.state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        # A restore or sync happens between worlds: the controller attached now belongs to the old one.
-        self.stale, self.ctl = self.ctl or self.stale, None
-        self.state = state
+        # Restores and syncs happen between worlds: the attached controller is the old world's, and
+        # its norm hooks would otherwise stay on the parameters.
+        if self.ctl is not None:
+            self.ctl.meter.remove()
+        self.ctl, self.state = None, state
 
     def attach(self, ctl: Any) -> None:
-        if self.stale is not None:
-            self.stale.meter.remove()
         if self.state is not None:
             ctl.load_state_dict(self.state, new_world=True)
-        self.ctl, self.state, self.stale = ctl, None, None
+        self.ctl, self.state = ctl, None
 
 
 class Session:
