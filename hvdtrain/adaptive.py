@@ -130,10 +130,9 @@ class AdaptiveController:
         self.sizes = sorted(set(self.sizes) | set(result.seconds))
         for m, seconds in result.seconds.items():
             self.times.record_probe(m, seconds)
-        per_rank = self.m * self.k
-        if self.m > self.cap or self.m < result.preferred:
-            m = goodput.largest_divisor(per_rank, min(self.cap, result.preferred, per_rank / self.min_k))
-            self._apply(m, per_rank // m)
+        if self.m > self.cap or self.m < result.preferred:  # the same B, in micro-batches the probe prefers
+            self._apply(*goodput.reshape(self.batch, self.world.size, min(self.cap, result.preferred), self.min_k,
+                                         self.max_batch))
         self.probe_report = {"cap": self.cap, "preferred": result.preferred, "m": self.m, "k": self.k,
                              "seconds": round(time.perf_counter() - started, 3),
                              "step_ms": {str(m): round(1000 * t, 2) for m, t in sorted(result.seconds.items())}}
@@ -294,8 +293,7 @@ class AdaptiveController:
         and the memory probe runs again (its hosts may differ)."""
         if new_world:
             self.base, self.max_batch = int(state["base"]), int(state["max_batch"])
-            self.noise = NoiseScale(self.ac.smoothing, self.base)
-            self.stats.noise = self.noise
+            self.noise.rebase(self.base)
         if int(state["base"]) != self.base:
             raise ConfigError(f"the checkpoint's starting global batch is {state['base']}, this run's is {self.base}; "
                               "resume with the same ranks x train.batch_size x train.accumulation")

@@ -85,6 +85,11 @@ class NoiseScale:
         self.local.update(local_sq_mean * shrink, samples)
         self.updates += 1
 
+    def rebase(self, unit: int) -> None:
+        """Decay per `unit` samples from now on (an elastic world keeps the first world's B0)."""
+        for avg in (self.g2, self.trace, self.local):
+            avg.unit = unit
+
     @property
     def phi(self) -> float:
         """Noise scale in samples; inf while the gradient estimate is noise-dominated (|G|² ≤ 0)."""

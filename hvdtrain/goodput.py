@@ -243,12 +243,12 @@ def start_shape(ranks: int, batch_size: int, accumulation: int, max_batch: int,
     return base, top, min_k, m, per_rank // m
 
 
-def reshape(batch: int, ranks: int, m: int, min_k: int, max_batch: int) -> tuple[int, int]:
-    """(m, k) for a world of `ranks` with the global batch nearest `batch` (an elastic world change:
-    B is kept when the new size divides it, and the lr follows whatever B results), at most the
-    old micro-batch; the probe that follows in the new world may reshape m again, keeping m·k."""
+def reshape(batch: int, ranks: int, at_most: float, min_k: int, max_batch: int) -> tuple[int, int]:
+    """(m, k) for `ranks` ranks with the global batch nearest `batch` within B_max: the fewest
+    micro-batches of at most `at_most` (and at least `min_k` of them). Used for a new elastic world,
+    a checkpoint from another world size, and Smith et al.'s decayed batch."""
     per_rank = max(min_k, min(round(batch / ranks), max_batch // ranks))
-    m = largest_divisor(per_rank, min(m, per_rank / min_k))
+    m = largest_divisor(per_rank, min(at_most, per_rank / min_k))
     return m, per_rank // m
 
 
@@ -260,6 +260,4 @@ def decayed_batch(lim: Limits, gamma: float, decays: int) -> tuple[int, int]:
     """Smith et al.'s rule (adaptive.policy=decay_to_batch): after `decays` lr decays by `gamma`, the
     global batch B0 / gamma^decays, capped at B_max (the lr keeps what the cap leaves of the decay);
     (m, k) with the fewest micro-batches that fit the cap."""
-    per_rank = max(min(lim.max_batch, round(lim.base / gamma**decays)) // lim.ranks, lim.min_k)
-    m = largest_divisor(per_rank, min(lim.cap, per_rank / lim.min_k))
-    return m, per_rank // m
+    return reshape(round(lim.base / gamma**decays), lim.ranks, lim.cap, lim.min_k, lim.max_batch)
