@@ -25,9 +25,9 @@ from torch.utils.data import Dataset, default_collate
 from hvdtrain import goodput, optim
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
-from hvdtrain.errors import ConfigError, TrainingStopped
+from hvdtrain.errors import ConfigError
 from hvdtrain.gns import GradNormMeter, NoiseScale
-from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe
+from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.stepstats import StepStats
 from hvdtrain.world import World
@@ -170,31 +170,26 @@ class AdaptiveController:
                 finite = self.proxy.synchronize()
                 optimizer.zero_grad()
             if not self.stats.oom:
-                _merge(sums, attempt)
+                sums.merge(attempt)
                 return finite
             self._shrink_after_oom()
             micro_batches = self._fetch()
 
     def _shrink_after_oom(self) -> None:
-        per_rank = self.m * self.k
-        if self.m == 1:
-            raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
-                                  "or more memory")
-        m = goodput.largest_divisor(per_rank, min(self.m * self.ac.oom_shrink, self.m - 1))
+        m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
         self.ooms += 1
         self.cap = min(self.cap, m)
-        self._apply(m, per_rank // m)  # same B, so the same LR and the same samples
+        self._apply(m, k)  # same B, so the same LR and the same samples
 
     def _micro_batch_starts(self) -> None:
         self.clock.micro_batch_begins()
         self.meter.next_micro_batch()
-        if self.injector.armed(self.m, "forward"):
-            self.injector.fire(self.m)
+        self.injector.check(self.m, "forward")
 
     def _maybe_inject_in_backward(self, fired: int) -> None:
         # Mid-backward, after the reducer may already have launched the first buckets.
-        if fired == max(1, len(self.meter.params) // 2) and self.injector.armed(self.m, "backward"):
-            self.injector.fire(self.m)
+        if fired == max(1, len(self.meter.params) // 2):
+            self.injector.check(self.m, "backward")
 
     def _synchronize(self, inner: Any) -> bool:
         """The stats allreduce (hvdtrain/stepstats.py), then the gradient buckets. All ranks call.
@@ -309,12 +304,6 @@ class AdaptiveController:
             old = int(state["ranks"]) * self.m * self.k
             self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
             self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))
-
-
-def _merge(into: MetricSums, attempt: MetricSums) -> None:
-    for key, value in attempt.sums.items():
-        into.sums[key] = into.sums.get(key, 0) + value
-    into.samples += attempt.samples
 
 
 def build(world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Any,

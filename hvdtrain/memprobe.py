@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from hvdtrain.config import AdaptiveConfig
+from hvdtrain.errors import TrainingStopped
+from hvdtrain.goodput import largest_divisor
 from hvdtrain.world import World
 
 _OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory")
@@ -45,6 +47,16 @@ def free_after_oom(model: nn.Module, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def shrink_after_oom(m: int, k: int, shrink: float) -> tuple[int, int]:
+    """(m', k') after an OOM at micro-batch m: the largest divisor of m·k at most `shrink`·m, and k
+    raised to keep m·k, so the global batch, the lr and the step's samples stay the same."""
+    if m == 1:
+        raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
+                              "or more memory")
+    smaller = largest_divisor(m * k, min(m * shrink, m - 1))
+    return smaller, m * k // smaller
+
+
 class FaultInjector:
     """Testing switch: an OOM on micro-batches larger than `inject_oom_above`, on one rank or all,
     from a given step on. `step` is set by the controller; the probe runs at step 0."""
@@ -57,6 +69,10 @@ class FaultInjector:
 
     def armed(self, micro_batch: int, phase: str) -> bool:
         return self.here and phase == self.phase and micro_batch > self.above and self.step >= self.from_step
+
+    def check(self, micro_batch: int, phase: str) -> None:
+        if self.armed(micro_batch, phase):
+            self.fire(micro_batch)
 
     def fire(self, micro_batch: int) -> None:
         self.raised += 1

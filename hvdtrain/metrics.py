@@ -37,6 +37,12 @@ class MetricSums:
             acc.add_(value.detach(), alpha=weight)
         self.samples += samples
 
+    def merge(self, other: MetricSums) -> None:
+        """Adds another's sums (an attempt that was not retried) into these."""
+        for key, value in other.sums.items():
+            self.sums[key] = self.sums.get(key, 0) + value
+        self.samples += other.samples
+
     def reduce(self, world: World, name: str, keys: tuple[str, ...]) -> dict[str, float]:
         """Averages over all ranks' samples. `keys` must be the same on every rank (a rank with an
         empty shard still contributes zeros), so the allreduce shape always matches."""

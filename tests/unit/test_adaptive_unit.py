@@ -11,9 +11,9 @@ from hvdtrain import goodput
 from hvdtrain.adaptive import AdaptiveController
 from hvdtrain.config import AdaptiveConfig, Config, TrainConfig, build
 from hvdtrain.data import ShardedBatchSampler
-from hvdtrain.errors import ConfigError
+from hvdtrain.errors import ConfigError, TrainingStopped
 from hvdtrain.gns import GradNormMeter, NoiseScale, SampleAverage, estimate
-from hvdtrain.memprobe import FaultInjector, Prober, is_oom
+from hvdtrain.memprobe import FaultInjector, Prober, is_oom, shrink_after_oom
 from hvdtrain.tasks import classification_loss
 from hvdtrain.world import World
 
@@ -320,6 +320,15 @@ def test_oom_classification():
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
     assert not is_oom(RuntimeError("shape mismatch"))
     assert Config().adaptive.enabled is False
+
+
+def test_an_oom_shrinks_the_micro_batch_and_keeps_the_batch():
+    assert shrink_after_oom(32, 1, 0.9) == (16, 2)  # 28.8 is no divisor of 32: the largest below it
+    assert shrink_after_oom(24, 2, 0.9) == (16, 3)
+    assert shrink_after_oom(2, 3, 0.9) == (1, 6)
+    assert shrink_after_oom(7, 1, 0.9) == (1, 7)  # a prime falls to 1, never to m itself
+    with pytest.raises(TrainingStopped, match="micro-batch of 1 sample"):
+        shrink_after_oom(1, 8, 0.9)
 
 
 def test_bench_rejects_unknown_task_before_starting(capsys):
