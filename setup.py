@@ -13,6 +13,7 @@ setup(
         "horovod==0.28.1",
         "numpy>=1.26",
         "scikit-learn>=1.3",
+        "mnist1d>=0.0.2",
         "tqdm>=4.66",
         "tensorboard>=2.14",
         "matplotlib>=3.8",

@@ -31,7 +31,7 @@ from hvdtrain.config_features import (  # noqa: F401 - re-exported: import secti
 )
 from hvdtrain.errors import ConfigError
 
-TASKS = ("digits", "pylm", "synthetic")
+TASKS = ("digits", "mnist1d", "pylm", "synthetic")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULES = ("constant", "cosine", "step")
@@ -50,6 +50,7 @@ class DataConfig:
     synthetic_samples: int = 2048  # synthetic: dataset size
     image_size: int = 32  # synthetic: image height and width
     num_classes: int = 10  # synthetic: label count
+    mnist1d_samples: int = 20_000  # mnist1d: signals generated (training and held out together)
 
     def __post_init__(self) -> None:
         _at_least("data", "max_bytes", self.max_bytes, 1024)
@@ -58,6 +59,7 @@ class DataConfig:
         _at_least("data", "synthetic_samples", self.synthetic_samples, 1)
         _at_least("data", "image_size", self.image_size, 8)
         _at_least("data", "num_classes", self.num_classes, 2)
+        _at_least("data", "mnist1d_samples", self.mnist1d_samples, 20)
 
 
 @dataclass(frozen=True)

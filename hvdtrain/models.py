@@ -29,6 +29,24 @@ class DigitsCNN(nn.Module):
         return self.head(x)
 
 
+class SignalCNN(nn.Module):
+    """Three 1-D convolutions (the last two stride 2) and a linear head, for MNIST-1D's 40-point signals."""
+
+    def __init__(self, width: int = 32, num_classes: int = 10, length: int = 40) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv1d(1, width, 5, padding=2), nn.ReLU()),
+            nn.Sequential(nn.Conv1d(width, width, 3, stride=2, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv1d(width, width, 3, stride=2, padding=1), nn.ReLU()),
+        ])
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(width * ((length + 3) // 4), num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()

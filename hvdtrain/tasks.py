@@ -6,7 +6,9 @@ to per-batch sums (e.g. correct predictions); the trainer reports each as sum / 
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hvdtrain.config import Config
 from hvdtrain.errors import DataError
-from hvdtrain.models import GPT, DigitsCNN, ResNet
+from hvdtrain.models import GPT, DigitsCNN, ResNet, SignalCNN
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -63,6 +65,39 @@ def digits(cfg: Config) -> Task:
     tr, va = _split(len(y), cfg.data.val_fraction, cfg.seed)
     model = DigitsCNN(cfg.model.width)
     return Task(model, TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), classification_loss)
+
+
+@functools.lru_cache(maxsize=2)
+def mnist1d_signals(samples: int, held_out: float) -> tuple[torch.Tensor, ...]:
+    """MNIST-1D (Greydanus 2020): ten 1-D digit templates, padded, scaled, shifted, sheared and noised
+    into 40-point signals, generated here by the `mnist1d` package (its download path is not used).
+
+    The data does not depend on the run's seed: every seed of a benchmark sees the same task. The
+    generator reseeds the global `random` and NumPy states; they are restored so the caller's stay
+    untouched. Cached because generating 20k signals takes seconds and the benchmark rebuilds tasks.
+    """
+    import numpy as np
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples, args.train_split = samples, 1.0 - held_out
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        d = make_dataset(args)
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    as_x = lambda a: torch.tensor(a, dtype=torch.float32).unsqueeze(1)  # noqa: E731 - (N, 1, 40)
+    return as_x(d["x"]), torch.tensor(d["y"]), as_x(d["x_test"]), torch.tensor(d["y_test"])
+
+
+def mnist1d(cfg: Config) -> Task:
+    x, y, xv, yv = mnist1d_signals(cfg.data.mnist1d_samples, cfg.data.val_fraction)
+    if len(yv) == 0 or len(y) == 0:
+        raise DataError(f"data.mnist1d_samples={cfg.data.mnist1d_samples} leaves an empty training or held-out "
+                        f"set at data.val_fraction={cfg.data.val_fraction}; raise data.mnist1d_samples")
+    model = SignalCNN(cfg.model.width, length=x.shape[-1])
+    return Task(model, TensorDataset(x, y), TensorDataset(xv, yv), classification_loss)
 
 
 class ByteBlocks(Dataset):
@@ -123,7 +158,8 @@ def synthetic(cfg: Config) -> Task:
     return Task(model, TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), classification_loss)
 
 
-BUILDERS: dict[str, Callable[[Config], Task]] = {"digits": digits, "pylm": pylm, "synthetic": synthetic}
+BUILDERS: dict[str, Callable[[Config], Task]] = {"digits": digits, "mnist1d": mnist1d, "pylm": pylm,
+                                                  "synthetic": synthetic}
 
 
 def check_inputs(cfg: Config) -> None:

@@ -77,7 +77,8 @@ class NotAllowed:  # a pickled instance of this must never be loaded
 
 
 BAD = {
-    "unknown task": (["--task", "imagenet"], "config.task='imagenet' is not allowed; choose one of digits, pylm"),
+    "unknown task": (["--task", "imagenet"],
+                     "config.task='imagenet' is not allowed; choose one of digits, mnist1d, pylm"),
     "bad value": (["--set", "train.batch_size=0"], "train.batch_size=0 must be >= 1"),
     "bad type": (["--set", "train.epochs=many"], "train.epochs='many' has type str; expected int"),
     "unknown key": (["--set", "optim.learning_rate=1"], "unknown key optim.learning_rate; allowed:"),

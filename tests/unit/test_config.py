@@ -14,7 +14,7 @@ def test_defaults_are_valid_and_frozen():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("task=imagenet", "config.task='imagenet' is not allowed; choose one of digits, pylm, synthetic"),
+    ("task=imagenet", "config.task='imagenet' is not allowed; choose one of digits, mnist1d, pylm, synthetic"),
     ("optim.name=lamb", "optim.name='lamb' is not allowed; choose one of sgd, adam, adamw"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling='cubic' is not allowed; choose one of linear, sqrt, none"),
     ("train.batch_size=0", "train.batch_size=0 must be >= 1"),
