@@ -28,7 +28,8 @@ TASKS: dict[str, dict[str, Any]] = {
              "set": ["model.preset=tiny", "data.max_bytes=1000000", "data.val_fraction=0.05", "optim.name=adam"]},
     "digits": {"batches": [4, 16, 64], "lrs": [0.02, 0.05, 0.1], "target": 0.15,
                "set": ["optim.name=sgd", "optim.momentum=0.9", "model.width=16"]},
-    "mnist1d": {"batches": [4, 16, 64], "lrs": [1e-3, 2e-3, 4e-3], "target": 0.15,
+    # Seed 0 on 5 December (target 0.15): best lr 0.004 at B=8, 0.008 at B=16-64, 0.016 at B=128.
+    "mnist1d": {"batches": [4, 16, 64], "lrs": [4e-3, 8e-3, 1.6e-2], "target": 0.15,
                 "set": ["optim.name=adam"]},
 }
 
