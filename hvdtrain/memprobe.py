@@ -67,17 +67,14 @@ class FaultInjector:
         self.from_step, self.step = cfg.inject_oom_step, 0
         self.raised = 0
 
-    def armed(self, micro_batch: int, phase: str) -> bool:
-        return self.here and phase == self.phase and micro_batch > self.above and self.step >= self.from_step
-
-    def check(self, micro_batch: int, phase: str) -> None:
-        if self.armed(micro_batch, phase):
-            self.fire(micro_batch)
-
-    def fire(self, micro_batch: int) -> None:
-        self.raised += 1
-        raise torch.OutOfMemoryError(f"injected OOM: micro-batch {micro_batch} > adaptive.inject_oom_above="
-                                     f"{self.above} at step {self.step}")
+    def check(self, micro_batch: int, phase: str | None = None) -> None:
+        """Raises the injected OOM if armed for `phase`; None (the probe, which times forward and
+        backward as one measurement) matches either phase."""
+        if (self.here and phase in (None, self.phase) and micro_batch > self.above
+                and self.step >= self.from_step):
+            self.raised += 1
+            raise torch.OutOfMemoryError(f"injected OOM: micro-batch {micro_batch} > adaptive.inject_oom_above="
+                                         f"{self.above} at step {self.step}")
 
 
 @dataclass
@@ -149,8 +146,7 @@ class Prober:
         batch = self._batch(m)
 
         def fn() -> None:
-            if self.injector.armed(m, "forward") or self.injector.armed(m, "backward"):
-                self.injector.fire(m)
+            self.injector.check(m)
             loss, _ = self.loss_fn(self.model, batch)
             loss.backward()
 
