@@ -249,12 +249,18 @@ class AdaptiveController:
     def _decide(self, step: int, log: TrainLog) -> None:
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
                              self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
-        mine = None
+        mine = torch.zeros(3, dtype=torch.float64)
         if self.world.is_root:
-            mine = goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes)
-        # Ranks' statistics can differ in the last bits: rank 0's choice holds for all.
-        m, k = self.world.broadcast_object(mine, name="hvdtrain.adaptive.decision")
-        self._change(step, m, k, log, f"noise scale {self.noise.phi:.0f}")
+            mine[:] = torch.tensor([*goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes),
+                                    self.noise.phi], dtype=torch.float64)
+        # Ranks' statistics can differ in the last bits: rank 0's choice and noise scale hold for all
+        # (Adam's state below must stay bitwise equal across ranks).
+        decision = self.world.broadcast(mine, name="hvdtrain.adaptive.decision").tolist()
+        m, k, phi = int(decision[0]), int(decision[1]), decision[2]
+        old = self.batch
+        self._change(step, m, k, log, f"noise scale {phi:.0f}")
+        if self.ac.rescale_adam and self.batch != old:
+            optim.rescale_second_moment(self.optimizer, goodput.second_moment_ratio(phi, old, self.batch))
 
     def _follow_decays(self, step: int, log: TrainLog) -> None:
         # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same

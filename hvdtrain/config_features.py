@@ -89,6 +89,8 @@ class AdaptiveConfig:
     max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
     norm_test: float = 1.0  # theta of the norm test floor B >= noise scale / theta^2; 0 = no floor
     precondition: bool = True  # adam/adamw: measure the noise scale on preconditioned gradients
+    # adam/adamw: on a batch change, scale exp_avg_sq by the expected change of E[g²], (1 + φ/B')/(1 + φ/B)
+    rescale_adam: bool = True
     probe: bool = True  # memory probe before step 1 (cap on m, preferred m)
     memory_budget_mb: float = 0.0  # CPU probe budget; 0 = memory_fraction x available RAM
     memory_fraction: float = 0.8  # share of available (CPU) or total (GPU) memory the probe may plan for

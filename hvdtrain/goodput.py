@@ -30,6 +30,16 @@ def efficiency(phi: float, batch: int, base: int) -> float:
     return gain(phi, batch, base) * base / batch
 
 
+def second_moment_ratio(phi: float, old: int, new: int) -> float:
+    """E|g|² at global batch `new` over E|g|² at `old`: (|G|² + tr(Σ)/B) scales as 1 + φ/B. 1 before
+    any estimate (nan); old/new when noise dominates (inf)."""
+    if math.isnan(phi) or old == new:
+        return 1.0
+    if math.isinf(phi):
+        return old / new
+    return (1 + phi / new) / (1 + phi / old)
+
+
 def lr_factor(rule: str, adam: bool, phi: float, batch: int, base: int) -> float:
     """LR multiplier on top of the user's schedule for global batch `batch`."""
     if rule == "adascale":

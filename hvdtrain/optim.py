@@ -31,6 +31,20 @@ def scale_factor(rule: str, ranks: int, accumulation: int) -> float:
     return {"linear": float(f), "sqrt": math.sqrt(f), "none": 1.0}[rule]
 
 
+def rescale_second_moment(optimizer: torch.optim.Optimizer, ratio: float) -> bool:
+    """Multiply Adam/AdamW's running E[g²] (exp_avg_sq, and max_exp_avg_sq under amsgrad) by `ratio`:
+    after a batch-size change it still averages ~1/(1-β2) steps of gradients at the old batch, whose
+    noise part was B_new/B_old times larger (or smaller), so Adam's steps would stay too short (long)
+    for hundreds of steps. False (nothing done) for other optimizers."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or ratio == 1.0:
+        return False
+    for state in optimizer.state.values():
+        for key in ("exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                state[key].mul_(ratio)
+    return True
+
+
 def decays(milestones: tuple[int, ...], step: float) -> int:
     """How many step-schedule milestones lie at or before `step` (an adaptive run passes progress τ)."""
     return sum(step >= m for m in milestones)

@@ -107,6 +107,11 @@ class World:
     def wait(self, handle: Any) -> torch.Tensor:
         return _import_horovod().synchronize(handle)
 
+    def broadcast(self, tensor: torch.Tensor, name: str, root: int = 0) -> torch.Tensor:
+        """Rank `root`'s tensor on every rank (one collective; broadcast_object takes two and a
+        pickle). All ranks must call with the same shape and dtype."""
+        return _import_horovod().broadcast(tensor, root_rank=root, name=name)
+
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """Rank `root`'s object on every rank. All ranks must call."""
         return _import_horovod().broadcast_object(obj, root_rank=root, name=name)

@@ -231,3 +231,37 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
     assert stats.oom and stats.pending is None
     handle = stats.start(4.0, False, 0.02, 0.005, 0.001)
     assert not stats.settle(handle, False, None, m=4, k=2) and not stats.oom  # an overflow, not an OOM
+
+
+def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(world, monkeypatch):
+    ratios = []
+
+    def recording(optimizer, ratio):
+        ratios.append(ratio)
+        return rescale(optimizer, ratio)
+
+    rescale = hvdtrain.optim.rescale_second_moment
+    monkeypatch.setattr(hvdtrain.optim, "rescale_second_moment", recording)
+
+    def run(rescale_adam):
+        cfg = growing_config(max_micro_batch=0, rescale_adam=rescale_adam)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="adam", lr=1e-3))
+        model = mlp(seed=7)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        result = hvdtrain.fit(world, model, optimizer, Indexed(160 * world.size), cfg, loss_fn=recording_loss([]))
+        v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()])
+        return result, v, flat_params(model)
+
+    result, v, params = run(True)
+    changes = [(r["old"], r["new"], r["gns"]) for r in result.history if r.get("event") == "batch"]
+    assert changes and len(ratios) == len(changes)
+    # Rank 0's noise scale, broadcast with the decision: every rank scales by the same factor, so
+    # Adam's state, and so the weights, stay bitwise equal across ranks.
+    every = world.allgather_object((ratios, v.tolist(), params.tolist(), changes), name="t.adaptive.adam_state")
+    assert all(e[:3] == every[0][:3] for e in every)
+    root_changes = every[0][3]
+    assert ratios == [hvdtrain.goodput.second_moment_ratio(phi, old, new) for old, new, phi in root_changes]
+    assert all(r < 1 for r in ratios)  # the batch only grew: less noise in E[g²]
+    _, kept, _ = run(False)
+    assert len(ratios) == len(changes)  # off: no rescale at all
+    assert v.sum() < kept.sum()
