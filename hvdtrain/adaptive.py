@@ -29,26 +29,8 @@ from hvdtrain.errors import ConfigError
 from hvdtrain.gns import GradNormMeter, NoiseScale
 from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
 from hvdtrain.metrics import MetricSums, TrainLog
-from hvdtrain.stepstats import StepStats
+from hvdtrain.stepstats import StatsReducer, StepStats
 from hvdtrain.world import World
-
-
-class _StatsReducer:
-    """The GradReducer as train_step sees it: micro-batch boundaries go to the norm meter and the
-    clock, and `synchronize` adds the stats allreduce; False means skip (non-finite or an OOM)."""
-
-    def __init__(self, ctl: AdaptiveController, inner: Any) -> None:
-        self.ctl, self.inner = ctl, inner
-
-    def arm(self, last_micro_batch: bool) -> None:
-        self.ctl._micro_batch_starts()
-        self.inner.arm(last_micro_batch)
-
-    def synchronize(self) -> bool:
-        return self.ctl._synchronize(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # codec, residuals, ... as the reducer has them
 
 
 class AdaptiveController:
@@ -73,7 +55,7 @@ class AdaptiveController:
         self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
         self.injector = FaultInjector(ac, world.rank)
         self.meter.on_grad = self._maybe_inject_in_backward
-        self.proxy = _StatsReducer(self, reducer)
+        self.proxy = StatsReducer(self, reducer)
         reducer.adopt_hooks(self.meter._hooks)
         reducer.held = len(reducer.buckets) - 1  # backward's last bucket: an OOM can always poison it
         self.stats = StepStats(world, self.noise, self.times)
