@@ -229,6 +229,11 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
     # (fewer, larger kernels), not whichever the last bit favoured.
     top = max(goodput(c) for c in allowed)
     best = max((c for c in allowed if goodput(c) >= top * (1 - 1e-9)), key=lambda c: (c[0], -c[1]))
+    # Shapes of that batch within the hysteresis of it are equal too: step times move ±10% on a
+    # shared host, and on a CI host one run split B = 32 as (4, 4) and a twin run as (2, 8). Keep
+    # the running micro-batch if it is among them, else take the largest.
+    near = [c for c in allowed if batch(c) == batch(best) and goodput(c) * (1 + lim.hysteresis) >= goodput(best)]
+    best = next((c for c in near if c[0] == current[0]), max(near, key=lambda c: c[0]))
     if best == current:
         return current
     if b_now < floor or goodput(best) >= (1 + lim.hysteresis) * goodput(current):

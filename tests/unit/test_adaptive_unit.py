@@ -150,6 +150,20 @@ def test_norm_test_floor_forces_growth_and_hysteresis_blocks_small_gains():
     assert goodput.decide(limits(), times, 1e6, (8, 1), [8, 16]) == (8, 1)
 
 
+def test_a_batch_keeps_its_micro_batch_unless_another_split_is_clearly_faster():
+    # Per-sample time nearly flat in m (a few % apart, the size of timing noise): growing from
+    # B = 32 to 64 keeps m and doubles k, whichever split the noise favours.
+    times = goodput.StepTimeModel({4: 1.0, 8: 1.98, 16: 4.0, 32: 8.1})
+    lim = limits(base=16, max_batch=64, theta=1.0)
+    assert goodput.decide(lim, times, 100.0, (4, 4), [4, 8, 16, 32]) == (4, 8)
+    assert goodput.decide(lim, times, 100.0, (16, 1), [4, 8, 16, 32]) == (16, 2)
+    # A split clearly (> hysteresis) faster wins.
+    assert goodput.decide(lim, goodput.StepTimeModel({4: 1.0, 8: 1.5, 16: 4.0, 32: 8.1}), 100.0, (4, 4),
+                          [4, 8, 16, 32]) == (8, 4)
+    # The running micro-batch is not a candidate size: the largest of the near-best splits.
+    assert goodput.decide(lim, times, 100.0, (2, 8), [4, 8, 16, 32]) == (32, 1)
+
+
 def test_norm_test_floor_has_a_band_so_a_noisy_noise_scale_does_not_flip_the_batch():
     # Recorded on pylm (seed 2, 4 December, θ = 1): φ read 45 at step 320 (B 32 -> 64), 31 at step
     # 410 (back to 32: the floor allowed it and goodput preferred it), 36 at 460 (64 again); at
@@ -463,9 +477,11 @@ def test_step_time_model_prices_tiny_micro_batches_by_the_measured_fixed_cost():
     assert times.micro_time(1) == 0.0095  # no cheaper than the smallest measured micro-batch
     assert times.step_time(1, 64) > 3 * times.step_time(32, 2)
     assert times.micro_time(32) == pytest.approx(0.0133 + (0.072 - 0.0133) / 56 * 24)
-    # Equal goodput (alpha = 0, same B): the largest micro-batch wins, not the last bit.
+    # Equal goodput (alpha = 0, same B): not the last bit but the running split decides, and where
+    # the running micro-batch is not a candidate size, the largest micro-batch.
     flat = goodput.StepTimeModel({4: 0.4, 8: 0.8})
-    assert goodput.decide(limits(hysteresis=0.0), flat, 1e6, (4, 2), [1, 2, 4, 8]) in {(8, 1), (8, 2)}
+    assert goodput.decide(limits(hysteresis=0.0), flat, 1e6, (4, 2), [1, 2, 4, 8]) == (4, 2)
+    assert goodput.decide(limits(hysteresis=0.0), flat, 1e6, (4, 2), [1, 2, 8]) in {(8, 1), (8, 2)}
 
 
 def test_reshape_for_a_new_world_keeps_the_batch_where_the_size_divides_it():
