@@ -239,10 +239,11 @@ class AdaptiveController:
         # (Adam's state below must stay bitwise equal across ranks).
         decision = self.world.broadcast(mine, name="hvdtrain.adaptive.decision").tolist()
         m, k, phi = int(decision[0]), int(decision[1]), decision[2]
-        old = self.batch
-        self._change(step, m, k, log, f"noise scale {phi:.0f}")
-        if self.ac.rescale_adam and self.batch != old:
-            optim.rescale_second_moment(self.optimizer, goodput.second_moment_ratio(phi, old, self.batch))
+        ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
+        rescale = self.ac.rescale_adam and self.adam and ratio != 1.0
+        self._change(step, m, k, log, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescale else {}))
+        if rescale:
+            optim.rescale_second_moment(self.optimizer, ratio)
 
     def _follow_decays(self, step: int, log: TrainLog) -> None:
         # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same
@@ -252,12 +253,12 @@ class AdaptiveController:
         m, k = goodput.decayed_batch(lim, self.cfg.optim.gamma, decays)
         self._change(step, m, k, log, f"lr decay {decays} taken as batch growth")
 
-    def _change(self, step: int, m: int, k: int, log: TrainLog, why: str) -> None:
+    def _change(self, step: int, m: int, k: int, log: TrainLog, why: str, **extra: float) -> None:
         if (m, k) != (self.m, self.k):
             old = self.batch
             self._apply(m, k)
             self.decisions.append([step, m, k])
-            log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=self.noise.phi)
+            log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=self.noise.phi, **extra)
             log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, {why})")
 
     # ---- state ----

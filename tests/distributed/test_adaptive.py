@@ -255,6 +255,7 @@ def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(
     result, v, params = run(True)
     changes = [(r["old"], r["new"], r["gns"]) for r in result.history if r.get("event") == "batch"]
     assert changes and len(ratios) == len(changes)
+    assert [r["adam_v_scale"] for r in result.history if r.get("event") == "batch"] == ratios  # logged
     # Rank 0's noise scale, broadcast with the decision: every rank scales by the same factor, so
     # Adam's state, and so the weights, stay bitwise equal across ranks.
     every = world.allgather_object((ratios, v.tolist(), params.tolist(), changes), name="t.adaptive.adam_state")
