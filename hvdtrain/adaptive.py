@@ -231,13 +231,19 @@ class AdaptiveController:
     def _decide(self, step: int, log: TrainLog) -> None:
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
                              self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
-        mine = torch.zeros(3, dtype=torch.float64)
+        mine, failed = torch.zeros(3, dtype=torch.float64), None
         if self.world.is_root:
-            mine[:] = torch.tensor([*goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes),
-                                    self.noise.phi], dtype=torch.float64)
+            try:
+                mine[:] = torch.tensor([*goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k),
+                                                        self.sizes), self.noise.phi], dtype=torch.float64)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank together
+                failed, mine[0] = exc, -1.0  # raised here alone, it would leave the others in the broadcast
         # Ranks' statistics can differ in the last bits: rank 0's choice and noise scale hold for all
         # (Adam's state below must stay bitwise equal across ranks).
         decision = self.world.broadcast(mine, name="hvdtrain.adaptive.decision").tolist()
+        if decision[0] < 0:
+            raise RuntimeError(f"step {step}: rank 0's batch decision failed ({failed!r}; on other ranks see "
+                               "rank 0's output); every rank stops here") from failed
         m, k, phi = int(decision[0]), int(decision[1]), decision[2]
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
         rescale = self.ac.rescale_adam and self.adam and ratio != 1.0

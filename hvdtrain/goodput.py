@@ -233,6 +233,7 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
     # shared host, and on a CI host one run split B = 32 as (4, 4) and a twin run as (2, 8). Keep
     # the running micro-batch if it is among them, else take the largest.
     near = [c for c in allowed if batch(c) == batch(best) and goodput(c) * (1 + lim.hysteresis) >= goodput(best)]
+    near = near or [best]  # a NaN goodput compares False even with itself
     best = next((c for c in near if c[0] == current[0]), max(near, key=lambda c: c[0]))
     if best == current:
         return current

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 from helpers import Crash, blobs, crashing_fit, flat_params, mlp, shared_tmpdir, small_config
 from torch.utils.data import Dataset
@@ -266,3 +267,13 @@ def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(
     _, kept, _ = run(False)
     assert len(ratios) == len(changes)  # off: no rescale at all
     assert v.sum() < kept.sum()
+
+
+def test_a_decision_that_fails_on_rank_0_stops_every_rank_instead_of_hanging(world, monkeypatch):
+    def broken(*args):
+        raise ValueError("no candidate")
+
+    monkeypatch.setattr(hvdtrain.goodput, "decide", broken)  # only rank 0 calls it
+    cfg = growing_config(max_micro_batch=0)
+    with pytest.raises(RuntimeError, match="step 2: rank 0's batch decision failed"):
+        hvdtrain.fit(world, mlp(seed=3), None, Indexed(64 * world.size), cfg, loss_fn=recording_loss([]))
