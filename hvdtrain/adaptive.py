@@ -242,14 +242,14 @@ class AdaptiveController:
         # (Adam's state below must stay bitwise equal across ranks).
         decision = self.world.broadcast(mine, name="hvdtrain.adaptive.decision").tolist()
         if decision[0] < 0:
-            raise RuntimeError(f"step {step}: rank 0's batch decision failed ({failed!r}; on other ranks see "
-                               "rank 0's output); every rank stops here") from failed
+            why = repr(failed) if failed else "see rank 0's output"
+            raise RuntimeError(f"step {step}: rank 0's batch decision failed ({why}); every rank stops here") \
+                from failed
         m, k, phi = int(decision[0]), int(decision[1]), decision[2]
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
-        rescale = self.ac.rescale_adam and self.adam and ratio != 1.0
-        self._change(step, m, k, log, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescale else {}))
-        if rescale:
-            optim.rescale_second_moment(self.optimizer, ratio)
+        # Before _change so its batch event can say whether Adam's state was rescaled (non-Adam: no).
+        rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.optimizer, ratio)
+        self._change(step, m, k, log, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescaled else {}))
 
     def _follow_decays(self, step: int, log: TrainLog) -> None:
         # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same

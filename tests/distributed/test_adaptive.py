@@ -237,9 +237,11 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
 def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(world, monkeypatch):
     ratios = []
 
-    def recording(optimizer, ratio):
-        ratios.append(ratio)
-        return rescale(optimizer, ratio)
+    def recording(optimizer, ratio):  # the rescales applied (a no-op call, ratio 1, is not one)
+        done = rescale(optimizer, ratio)
+        if done:
+            ratios.append(ratio)
+        return done
 
     rescale = hvdtrain.optim.rescale_second_moment
     monkeypatch.setattr(hvdtrain.optim, "rescale_second_moment", recording)
