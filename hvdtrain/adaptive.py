@@ -1,7 +1,7 @@
 """Adaptive batch sizing: one controller owns micro-batch m, accumulation k, the LR factor and the
 progress τ (steps of the starting batch B0 worth of progress); global batch B = ranks·m·k.
 
-Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp64
+Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp32
 stats allreduce per optimizer step attempt (hvdtrain/stepstats.py: started with the gradient
 buckets, collected a step later); on decision steps (every D steps after warm-up, by the step
 counter alone) one broadcast of rank 0's decision. An OOM on one rank never skips a collective:

@@ -100,8 +100,8 @@ class World:
 
     def allreduce_async(self, tensor: torch.Tensor, name: str, op: str = "sum") -> Any:
         """Start a reduction (never compressed); `wait(handle)` returns the result. Horovod negotiates
-        it in the same cycle as the collectives already in flight, so it costs no round of its own.
-        All ranks must call."""
+        it in the same cycle as the collectives already in flight, and fuses it into their operation
+        when dtype and op match (else it is a round of its own). All ranks must call."""
         return _import_horovod().allreduce_async(tensor, name=name, op=_hvd_op(op))
 
     def wait(self, handle: Any) -> torch.Tensor:

@@ -234,6 +234,32 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
     assert not stats.settle(handle, False, None, m=4, k=2) and not stats.oom  # an overflow, not an OOM
 
 
+def test_step_stats_carry_every_ranks_sums_in_fp32_and_keep_an_overflowed_norm_out(world):
+    from hvdtrain.gns import NoiseScale
+    from hvdtrain.goodput import StepTimeModel
+    from hvdtrain.stepstats import StepStats
+
+    noise = NoiseScale(0.9, 8)
+    stats = StepStats(world, noise, StepTimeModel({}))
+    local = 123456.789 * (1 + world.rank / 7)  # not representable in fp32
+    handle = stats.start(local, world.rank % 2 == 1, 0.02 + world.rank * 1e-3, 0.005, 0.001)
+    assert stats.settle(handle, True, 1.5, m=4, k=2)  # the flags arrive with the collect
+    sums = stats.state_dict()[0]
+    n = world.size
+    assert sums[0] == pytest.approx(sum(123456.789 * (1 + r / 7) for r in range(n)), rel=1e-6)
+    assert round(sums[1]) == n // 2  # ranks that flagged an OOM
+    assert sums[2] == pytest.approx(sum(0.02 + r * 1e-3 for r in range(n)), rel=1e-6)
+    stats.collect()
+    assert stats.oom == (n > 1) and noise.updates == 1
+    # A local norm past fp32's range arrives as inf: the step's average decides the step, the
+    # estimators and step times skip it, and the rank's flag still arrives.
+    before, times = noise.state_dict(), stats.times.state_dict()
+    handle = stats.start(1e39 if world.rank == 0 else 1.0, False, 0.02, 0.005, 0.001)
+    assert stats.settle(handle, True, 1.5, m=4, k=2)
+    stats.collect()
+    assert noise.state_dict() == before and stats.times.state_dict() == times and not stats.oom
+
+
 def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(world, monkeypatch):
     ratios = []
 
