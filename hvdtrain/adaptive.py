@@ -179,6 +179,9 @@ class AdaptiveController:
         step's time (data, optimizer step, bookkeeping), which a larger batch amortises and the
         step-time model must therefore see."""
         compute = self.clock.sync_begins()
+        # The previous attempt's stats are picked up now, not between the last bucket's launch and
+        # this attempt's stats: Horovod fuses the two only if they reach it within one cycle.
+        self.stats.collect()
         if self._oom_here:
             for p in self.model.parameters():
                 p.grad = None
