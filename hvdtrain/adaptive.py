@@ -1,14 +1,13 @@
 """Adaptive batch sizing: one controller owns micro-batch m, accumulation k, the LR factor and the
 progress τ (steps of the starting batch B0 worth of progress); global batch B = ranks·m·k.
 
-Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one fp32
-stats allreduce per optimizer step attempt (hvdtrain/stepstats.py: started with the gradient
-buckets, collected a step later); on decision steps (every D steps after warm-up, by the step
-counter alone) one broadcast of rank 0's decision. An OOM on one rank never skips a collective:
-that rank sends NaN in the buckets it has not sent (the reducer holds backward's last bucket until
-synchronize, so one is always left), every rank sees a non-finite average and collects the stats
-at once, and their OOM flag makes every rank skip the attempt and retry the same samples with a
-smaller m and a larger k (same B, same LR).
+Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one stats
+allreduce per optimizer step attempt (hvdtrain/stepstats.py); on decision steps (every D steps after
+warm-up, by the step counter alone) one broadcast of rank 0's decision. An OOM on one rank never
+skips a collective: that rank sends NaN in the buckets it has not sent (the reducer holds
+backward's last bucket until synchronize, so one is always left), every rank sees a non-finite
+average and collects the stats at once, and their OOM flag makes every rank skip the attempt and
+retry the same samples with a smaller m and a larger k (same B, same LR).
 """
 
 from __future__ import annotations
@@ -154,14 +153,10 @@ class AdaptiveController:
             if not self.stats.oom:
                 sums.merge(attempt)
                 return finite
-            self._shrink_after_oom()
+            m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
+            self.ooms, self.cap = self.ooms + 1, min(self.cap, m)
+            self._apply(m, k)  # same B, so the same LR and the same samples
             micro_batches = self._fetch()
-
-    def _shrink_after_oom(self) -> None:
-        m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
-        self.ooms += 1
-        self.cap = min(self.cap, m)
-        self._apply(m, k)  # same B, so the same LR and the same samples
 
     def _micro_batch_starts(self) -> None:
         self.clock.micro_batch_begins()
