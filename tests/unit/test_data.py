@@ -15,6 +15,13 @@ def steps(sampler):
     return list(iter(sampler))
 
 
+def epoch_steps(seed, epoch, rank=1, size=2, m=4):
+    """Every micro-batch a fresh sampler deals `rank` in `epoch`."""
+    sampler = ShardedBatchSampler(64, fake_world(rank, size), m, seed=seed)
+    sampler.set_epoch(epoch)
+    return steps(sampler)
+
+
 @pytest.mark.parametrize("size, m, k", [(1, 4, 1), (2, 4, 2), (3, 5, 1), (4, 2, 3)])
 def test_ranks_together_draw_one_contiguous_global_batch(size, m, k):
     n_samples = 103
@@ -38,9 +45,7 @@ def test_epochs_reshuffle_and_are_permutations():
 
 
 def test_resume_mid_epoch_continues_sequence():
-    full = ShardedBatchSampler(64, fake_world(1, 2), 4, seed=3)
-    full.set_epoch(2)
-    expected = steps(full)
+    expected = epoch_steps(seed=3, epoch=2)
     part = ShardedBatchSampler(64, fake_world(1, 2), 4, seed=3)
     part.set_epoch(2)
     part.advance(3 * 8)
@@ -52,9 +57,7 @@ def test_resume_mid_epoch_continues_sequence():
 
 def test_step_indices_follow_a_new_seed_and_epoch_after_drawing():
     # The permutation is kept between steps: a loaded seed or a new epoch must replace it.
-    ref = ShardedBatchSampler(64, fake_world(0, 2), 4, seed=3)
-    ref.set_epoch(2)
-    expected = steps(ref)
+    expected = epoch_steps(seed=3, epoch=2, rank=0)
     s = ShardedBatchSampler(64, fake_world(0, 2), 4, seed=0)
     s.set_epoch(2)
     first = s.step_indices()
