@@ -247,7 +247,7 @@ class AdaptiveController:
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
         # Before _change so its batch event can say whether Adam's state was rescaled (non-Adam: no).
         rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.optimizer, ratio)
-        self._change(step, m, k, log, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescaled else {}))
+        self._change(step, m, k, log, phi, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescaled else {}))
 
     def _follow_decays(self, step: int, log: TrainLog) -> None:
         # τ grows by B/B0, the same integers on every rank, so all ranks pass a milestone at the same
@@ -255,14 +255,15 @@ class AdaptiveController:
         decays = optim.decays(self.milestones, self.tau)
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k, 0.0, 1.0, 0.0)
         m, k = goodput.decayed_batch(lim, self.cfg.optim.gamma, decays)
-        self._change(step, m, k, log, f"lr decay {decays} taken as batch growth")
+        self._change(step, m, k, log, self.noise.phi, f"lr decay {decays} taken as batch growth")
 
-    def _change(self, step: int, m: int, k: int, log: TrainLog, why: str, **extra: float) -> None:
+    def _change(self, step: int, m: int, k: int, log: TrainLog, phi: float, why: str, **extra: float) -> None:
+        """`phi`: the noise scale the change was decided on (rank 0's, on every rank, for goodput)."""
         if (m, k) != (self.m, self.k):
             old = self.batch
             self._apply(m, k)
             self.decisions.append([step, m, k])
-            log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=self.noise.phi, **extra)
+            log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=phi, **extra)
             log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, {why})")
 
     # ---- state ----

@@ -286,9 +286,11 @@ def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(
     assert changes and len(ratios) == len(changes)
     assert [r["adam_v_scale"] for r in result.history if r.get("event") == "batch"] == ratios  # logged
     # Rank 0's noise scale, broadcast with the decision: every rank scales by the same factor, so
-    # Adam's state, and so the weights, stay bitwise equal across ranks.
+    # Adam's state, and so the weights, stay bitwise equal across ranks, and every rank's batch
+    # event names that noise scale, not its own.
     every = world.allgather_object((ratios, v.tolist(), params.tolist(), changes), name="t.adaptive.adam_state")
     assert all(e[:3] == every[0][:3] for e in every)
+    assert all(e[3] == every[0][3] for e in every)
     root_changes = every[0][3]
     assert ratios == [hvdtrain.goodput.second_moment_ratio(phi, old, new) for old, new, phi in root_changes]
     assert all(r < 1 for r in ratios)  # the batch only grew: less noise in E[g²]
