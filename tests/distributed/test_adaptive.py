@@ -184,6 +184,30 @@ def test_eval_every_counts_starting_batches_of_samples_as_the_batch_grows(world)
     assert evals == want and len(evals) >= 3
 
 
+def test_evaluation_runs_at_the_micro_batch_in_force(world):
+    cfg = growing_config(max_micro_batch=0, probe=True)  # probe timings let m grow, not only k
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=3))
+    evals, was_training = [], True
+
+    def loss_fn(model, batch):
+        nonlocal was_training
+        if not model.training:
+            if was_training:
+                evals.append([])
+            evals[-1].append(len(batch[1]))
+        was_training = model.training
+        return classification_loss(model, batch[:2])
+
+    result = hvdtrain.fit(world, mlp(seed=3), None, Indexed(160 * world.size), cfg,
+                          eval_set=Indexed(64 * world.size), loss_fn=loss_fn)
+    m_after = {r["step"]: r["m"] for r in adaptive_records(result.history)}
+    m_after.update({r["step"]: r["m"] for r in result.history if r.get("event") == "batch"})  # from the next step
+    steps = [r["step"] for r in result.history if r["kind"] == "eval"]
+    assert len(steps) == len(evals) >= 3
+    assert all(sum(sizes) == 64 and sizes[0] == min(m_after[s], 64) for s, sizes in zip(steps, evals)), (steps, evals)
+    assert max(s[0] for s in evals) > cfg.train.batch_size  # the micro-batch grew, and evaluation with it
+
+
 def test_decay_to_batch_turns_each_lr_decay_into_batch_growth_until_the_cap(world):
     # Smith et al.: B0 = ranks x 2 x 2; lr x0.5 at progress 4, 8 and 12 (steps of B0) becomes B x2,
     # up to B_max = 4 B0, where the third decay stays in the lr.
