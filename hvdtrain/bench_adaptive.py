@@ -136,6 +136,10 @@ def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, ad
            "mode": "adaptive" if adaptive else "fixed", "variant": variant, "start_batch": batch, "lr": lr,
            "target": spec["target"], "micro_batches": watch.sizes,
            **(watch.result or {"reached": False, "time_s": None, "note": f"data ran out at step {result.step}"})}
+    if "evals" in out:
+        # Training samples seen by the last evaluation (an adaptive run's may lie up to one batch
+        # later): time over samples splits a gap into fixed costs and per-sample ones.
+        out["samples"] = out["evals"] * cfg.train.eval_every * batch
     world.print(json.dumps(out))
     return out
 
@@ -192,21 +196,36 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, t
 
 
 def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, variants: list[str]) -> dict[str, Any]:
-    def times(mode: str, m: int | None = None, variant: str = "") -> list[float]:
-        sel = [r for r in runs if r["mode"] == mode and (m is None or r["start_batch"] == world.size * m)
-               and (mode == "adaptive" or r["lr"] == best[m][1]) and r["variant"] == variant]
-        return [r["time_s"] if r["reached"] else float("inf") for r in sel]
+    def sel(mode: str, m: int | None = None, variant: str = "") -> list[dict]:
+        return [r for r in runs if r["mode"] == mode and (m is None or r["start_batch"] == world.size * m)
+                and (mode == "adaptive" or r["lr"] == best[m][1]) and r["variant"] == variant]
 
-    fixed = {world.size * m: statistics.median(times("fixed", m)) for m in spec["batches"]}
+    def time_of(r: dict) -> float:
+        return r["time_s"] if r["reached"] else float("inf")
+
+    def samples(rs: list[dict]) -> int | None:  # only where every run reached the target
+        return int(statistics.median(r["samples"] for r in rs)) if rs and all(r["reached"] for r in rs) else None
+
+    fixed = {world.size * m: statistics.median(map(time_of, sel("fixed", m))) for m in spec["batches"]}
     finite = lambda t: t if t != float("inf") else None  # noqa: E731 - JSON has no infinity
-    adaptive = {v: statistics.median(times("adaptive", variant=v)) for v in variants}
+    adaptive = {v: statistics.median(map(time_of, sel("adaptive", variant=v))) for v in variants}
     best_fixed = min(fixed.values())
     start = fixed[world.size * spec["batches"][0]]
+    # Per seed against the batch best by median: the same seed gives both runs the same initial
+    # weights and data order, so this ratio is spared the seed-to-seed spread of the two medians.
+    best_m = min(spec["batches"], key=lambda m: fixed[world.size * m])
+    by_seed = {r["seed"]: r["time_s"] for r in sel("fixed", best_m) if r["reached"]}
+    paired = {v: [time_of(r) / by_seed[r["seed"]] for r in sel("adaptive", variant=v) if r["seed"] in by_seed]
+              for v in variants}
     return {"bench": "adaptive-summary", "task": name, "np": world.size, "target": spec["target"],
             "median_time_s": {**{f"adaptive_{v}": finite(t) for v, t in adaptive.items()},
                               **{f"fixed_{b}": finite(t) for b, t in fixed.items()}},
+            "median_samples": {**{f"adaptive_{v}": samples(sel("adaptive", variant=v)) for v in variants},
+                               **{f"fixed_{world.size * m}": samples(sel("fixed", m)) for m in spec["batches"]}},
             "best_lr": {world.size * m: lr for m, (_, lr) in best.items()},
             "adaptive_vs_best_fixed": {v: t / best_fixed for v, t in adaptive.items()},
+            "adaptive_vs_best_fixed_per_seed": {v: finite(statistics.median(p)) if p else None
+                                                for v, p in paired.items()},
             "adaptive_vs_start_batch": {v: t / start for v, t in adaptive.items()}}
 
 

@@ -380,6 +380,31 @@ def test_bench_refuses_a_held_out_set_smaller_than_the_ranks(world, monkeypatch)
         bench_adaptive._one(world, Config(), "digits", 0, 4, 0.1, None, {"target": 0.1}, 1.0, 256)
 
 
+def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
+    import types
+
+    from hvdtrain.bench_adaptive import _summary
+
+    def run(seed, mode, batch, time_s, evals, lr=0.1, reached=True):
+        return {"seed": seed, "mode": mode, "variant": "default" if mode == "adaptive" else "", "start_batch": batch,
+                "lr": lr, "reached": reached, "time_s": time_s, "evals": evals, "samples": evals * 64}
+
+    world = types.SimpleNamespace(size=2)
+    # B=64 is best by median (3.0 s); per seed adaptive takes 1.5x, 1.0x and 0.5x of it.
+    runs = [run(0, "fixed", 8, 9.0, 9), run(0, "fixed", 8, 1.0, 9, lr=0.5), run(0, "fixed", 64, 2.0, 20),
+            run(0, "adaptive", 8, 3.0, 15),
+            run(1, "fixed", 8, 8.0, 8), run(1, "fixed", 64, 4.0, 40), run(1, "adaptive", 8, 4.0, 12),
+            run(2, "fixed", 8, 7.0, 7), run(2, "fixed", 64, 1.0, 10), run(2, "adaptive", 8, 0.5, 11),
+            run(3, "fixed", 8, 7.0, 7), run(3, "fixed", 64, 9.0, 90, reached=False), run(3, "adaptive", 8, 1.0, 9)]
+    out = _summary(world, "digits", {"batches": [4, 32], "target": 0.1}, runs,
+                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"])
+    assert out["median_time_s"] == {"adaptive_default": 2.0, "fixed_8": 7.5, "fixed_64": 3.0}
+    assert out["adaptive_vs_best_fixed"] == {"default": 2.0 / 3.0}
+    # Seed 3's fixed run missed the target: it has no ratio, and the batch no median sample count.
+    assert out["adaptive_vs_best_fixed_per_seed"] == {"default": 1.0}
+    assert out["median_samples"] == {"adaptive_default": 736, "fixed_8": 480, "fixed_64": None}
+
+
 def test_decayed_batch_follows_gamma_up_to_the_cap():
     from hvdtrain.goodput import Limits, decayed_batch
 
