@@ -208,6 +208,8 @@ def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, va
 
     fixed = {world.size * m: statistics.median(map(time_of, sel("fixed", m))) for m in spec["batches"]}
     finite = lambda t: t if t != float("inf") else None  # noqa: E731 - JSON has no infinity
+    # A reference that missed the target within the budget gives no ratio (t / inf read as 0.0x).
+    over = lambda t, ref: t / ref if ref != float("inf") else None  # noqa: E731
     adaptive = {v: statistics.median(map(time_of, sel("adaptive", variant=v))) for v in variants}
     best_fixed = min(fixed.values())
     start = fixed[world.size * spec["batches"][0]]
@@ -223,10 +225,10 @@ def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, va
             "median_samples": {**{f"adaptive_{v}": samples(sel("adaptive", variant=v)) for v in variants},
                                **{f"fixed_{world.size * m}": samples(sel("fixed", m)) for m in spec["batches"]}},
             "best_lr": {world.size * m: lr for m, (_, lr) in best.items()},
-            "adaptive_vs_best_fixed": {v: t / best_fixed for v, t in adaptive.items()},
+            "adaptive_vs_best_fixed": {v: over(t, best_fixed) for v, t in adaptive.items()},
             "adaptive_vs_best_fixed_per_seed": {v: finite(statistics.median(p)) if p else None
                                                 for v, p in paired.items()},
-            "adaptive_vs_start_batch": {v: t / start for v, t in adaptive.items()}}
+            "adaptive_vs_start_batch": {v: over(t, start) for v, t in adaptive.items()}}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -403,6 +403,11 @@ def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
     # Seed 3's fixed run missed the target: it has no ratio, and the batch no median sample count.
     assert out["adaptive_vs_best_fixed_per_seed"] == {"default": 1.0}
     assert out["median_samples"] == {"adaptive_default": 736, "fixed_8": 480, "fixed_64": None}
+    # A start batch that misses the target on most seeds has no median time, so no ratio.
+    missed = [dict(r, reached=False) if r["start_batch"] == 8 and r["mode"] == "fixed" else r for r in runs]
+    out = _summary(world, "digits", {"batches": [4, 32], "target": 0.1}, missed,
+                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"])
+    assert out["median_time_s"]["fixed_8"] is None and out["adaptive_vs_start_batch"] == {"default": None}
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
