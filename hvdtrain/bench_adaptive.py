@@ -214,7 +214,8 @@ def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, va
     best_fixed = min(fixed.values())
     start = fixed[world.size * spec["batches"][0]]
     # Per seed against the batch best by median: the same seed gives both runs the same initial
-    # weights and data order, so this ratio is spared the seed-to-seed spread of the two medians.
+    # weights and data order, which takes most seed-to-seed spread out of the ratio (not all: an
+    # adaptive run's batch schedule also follows its measured step times).
     best_m = min(spec["batches"], key=lambda m: fixed[world.size * m])
     by_seed = {r["seed"]: r["time_s"] for r in sel("fixed", best_m) if r["reached"]}
     paired = {v: [time_of(r) / by_seed[r["seed"]] for r in sel("adaptive", variant=v) if r["seed"] in by_seed]
