@@ -258,7 +258,8 @@ class AdaptiveController:
         self._change(step, m, k, log, self.noise.phi, f"lr decay {decays} taken as batch growth")
 
     def _change(self, step: int, m: int, k: int, log: TrainLog, phi: float, why: str, **extra: float) -> None:
-        """`phi`: the noise scale the change was decided on (rank 0's, on every rank, for goodput)."""
+        """`phi`: the noise scale logged with it: rank 0's broadcast one for a goodput decision, the
+        same on every rank; this rank's own under decay_to_batch (no collective; only logged)."""
         if (m, k) != (self.m, self.k):
             old = self.batch
             self._apply(m, k)
