@@ -381,6 +381,7 @@ def test_bench_refuses_a_held_out_set_smaller_than_the_ranks(world, monkeypatch)
 
 
 def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
+    import json
     import types
 
     from hvdtrain.bench_adaptive import _summary
@@ -397,8 +398,10 @@ def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
             run(2, "fixed", 8, 7.0, 7), run(2, "fixed", 64, 1.0, 10), run(2, "adaptive", 8, 0.5, 11),
             run(3, "fixed", 8, 7.0, 7), run(3, "fixed", 64, 9.0, 90, reached=False), run(3, "adaptive", 8, 1.0, 9)]
     out = _summary(world, "digits", {"batches": [4, 32], "target": 0.1}, runs,
-                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"])
+                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"], 20.0)
     assert out["median_time_s"] == {"adaptive_default": 2.0, "fixed_8": 7.5, "fixed_64": 3.0}
+    assert out["adaptive_vs_best_fixed_each_seed"] == {"default": [1.5, 1.0, 0.5]}
+    assert out["adaptive_vs_start_batch_below"] == {"default": None}
     assert out["adaptive_vs_best_fixed"] == {"default": 2.0 / 3.0}
     # Seed 3's fixed run missed the target: it has no ratio, and the batch no median sample count.
     assert out["adaptive_vs_best_fixed_per_seed"] == {"default": 1.0}
@@ -406,8 +409,17 @@ def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
     # A start batch that misses the target on most seeds has no median time, so no ratio.
     missed = [dict(r, reached=False) if r["start_batch"] == 8 and r["mode"] == "fixed" else r for r in runs]
     out = _summary(world, "digits", {"batches": [4, 32], "target": 0.1}, missed,
-                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"])
+                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"], 20.0)
     assert out["median_time_s"]["fixed_8"] is None and out["adaptive_vs_start_batch"] == {"default": None}
+    # It took longer than the 20 s budget, so adaptive's 2.0 s is under 0.1x of it.
+    assert out["adaptive_vs_start_batch_below"] == {"default": 0.1}
+    # An adaptive run that missed gives no ratio either: JSON would print Infinity.
+    lost = [dict(r, reached=False) if r["mode"] == "adaptive" else r for r in runs]
+    out = _summary(world, "digits", {"batches": [4, 32], "target": 0.1}, lost,
+                   {4: (9.0, 0.1), 32: (2.0, 0.1)}, ["default"], 20.0)
+    assert out["adaptive_vs_best_fixed"] == {"default": None} and out["adaptive_vs_start_batch"] == {"default": None}
+    assert out["adaptive_vs_best_fixed_each_seed"] == {"default": [None, None, None]}
+    assert "Infinity" not in json.dumps(out)
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
