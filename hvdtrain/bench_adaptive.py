@@ -232,8 +232,7 @@ def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, va
             "adaptive_vs_best_fixed": {v: over(t, best_fixed) for v, t in adaptive.items()},
             "adaptive_vs_best_fixed_per_seed": {v: finite(statistics.median(p)) if p else None
                                                 for v, p in paired.items()},
-            "adaptive_vs_best_fixed_each_seed": {v: [round(x, 3) if x != float("inf") else None for x in p]
-                                                 for v, p in paired.items()},
+            "adaptive_vs_best_fixed_each_seed": {v: [finite(round(x, 3)) for x in p] for v, p in paired.items()},
             "adaptive_vs_start_batch": {v: over(t, start) for v, t in adaptive.items()},
             "adaptive_vs_start_batch_below": bound}
 
