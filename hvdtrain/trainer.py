@@ -289,8 +289,9 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
             else:
                 eval_now = end_of_epoch or done
             if eval_set is not None and eval_now:
-                # The micro-batch in force fits with a backward; the starting one can be 30x smaller.
-                result.eval = evaluate(world, model, eval_set, loss_fn, ctl.m if ctl else tc.batch_size)
+                # The micro-batch in force fits with a backward (the sampler's: an adaptive run's grows, and
+                # its starting one can be 30x smaller).
+                result.eval = evaluate(world, model, eval_set, loss_fn, sampler.micro_batch)
                 log.evaluated(step, epoch, tc.epochs, result.eval)
             if ckpt.due(step, end_of_epoch, done):
                 state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
