@@ -227,8 +227,9 @@ class AdaptiveController:
         return self.samples // period > self._samples_before // period
 
     def _decide(self, step: int, log: TrainLog) -> None:
-        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
-                             self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
+        noise = goodput.direction_noise(*optim.momentum_of(self.optimizer))
+        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k, self.ac.hysteresis,
+                             self.ac.max_growth, self.ac.norm_test, noise)
         mine, failed = torch.zeros(3, dtype=torch.float64), None
         if self.world.is_root:
             try:
