@@ -300,12 +300,3 @@ class AdaptiveController:
             old = int(state["ranks"]) * self.m * self.k
             self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
             self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))
-
-
-def build(world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Any,
-          sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: Any,
-          step_fn: Callable[..., bool]) -> AdaptiveController | None:
-    """The controller when `cfg.adaptive.enabled`, else None (the loop then runs as before)."""
-    if not cfg.adaptive.enabled:
-        return None
-    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, dataset, loss_fn, step_fn)

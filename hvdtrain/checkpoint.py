@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.errors import CheckpointError
 from hvdtrain.world import World
+from hvdtrain.zero import ZeroReducer
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -193,3 +195,32 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} was made with a different config: {', '.join(diff)}")
         state["path"] = str(path)
         return ("ok", state)
+
+
+def restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: Any, sampler: Any,
+                         ckpt: Checkpointer, config: dict[str, Any], precision: Any,
+                         ctl: Any = None) -> tuple[int, str | None]:
+    """The latest checkpoint into every piece of training state (the same one on every rank), or,
+    with none, rank 0's weights broadcast to all; (step, path). All ranks must call."""
+    state = ckpt.restore(config)
+    if state is None:
+        # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
+        # every rank, and Horovod's broadcast_optimizer_state would run a zero-gradient step that
+        # applies weight decay and advances Adam's counter (horovod#2805).
+        world.broadcast_parameters(model.state_dict())
+        return 0, None
+    if "zero_param_groups" in state["optimizer"] and not isinstance(reducer, ZeroReducer):
+        # Same verdict on every rank: restore() hands all ranks the same checkpoint.
+        raise CheckpointError(f"{state['path']} holds ZeRO-sharded optimizer state; resume it with "
+                              "memory.zero_stage=1 or 2 (it re-shards to any world size)")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    precision.load_state_dict(state.get("precision", {}))
+    if ctl is not None:
+        ctl.load_state_dict(state["adaptive"])
+    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
+        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
+    elif "reducer" in state["rank"]:
+        reducer.load_state_dict(state["rank"]["reducer"])
+    return state["step"], state["path"]

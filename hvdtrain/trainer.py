@@ -22,11 +22,11 @@ from torch.utils.data import Dataset
 
 from hvdtrain import adaptive
 from hvdtrain.activations import checkpoint_blocks
-from hvdtrain.checkpoint import Checkpointer
+from hvdtrain.checkpoint import Checkpointer, restore_or_broadcast
 from hvdtrain.compression import AutoSelect
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
-from hvdtrain.errors import CheckpointError, TrainingStopped
+from hvdtrain.errors import TrainingStopped
 from hvdtrain.memprof import MemoryProfiler, nvtx_range
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
@@ -129,33 +129,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     return finite
 
 
-def _restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: GradReducer,
-                          sampler: ShardedBatchSampler, ckpt: Checkpointer, config: dict[str, Any],
-                          precision: Precision, ctl: Any = None) -> tuple[int, str | None]:
-    state = ckpt.restore(config)
-    if state is None:
-        # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
-        # every rank, and Horovod's broadcast_optimizer_state would run a zero-gradient step that
-        # applies weight decay and advances Adam's counter (horovod#2805).
-        world.broadcast_parameters(model.state_dict())
-        return 0, None
-    if "zero_param_groups" in state["optimizer"] and not isinstance(reducer, ZeroReducer):
-        # Same verdict on every rank: restore() hands all ranks the same checkpoint.
-        raise CheckpointError(f"{state['path']} holds ZeRO-sharded optimizer state; resume it with "
-                              "memory.zero_stage=1 or 2 (it re-shards to any world size)")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    sampler.load_state_dict(state["sampler"])
-    precision.load_state_dict(state.get("precision", {}))
-    if ctl is not None:
-        ctl.load_state_dict(state["adaptive"])
-    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
-        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
-    elif "reducer" in state["rank"]:
-        reducer.load_state_dict(state["rank"]["reducer"])
-    return state["step"], state["path"]
-
-
 def _check_skips(in_a_row: int, limit: int, step: int) -> None:
     # Every rank saw the same reduced gradient, so every rank raises at the same step.
     if limit and in_a_row >= limit:
@@ -232,11 +205,12 @@ def _fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None
         clip = cfg.optim.clip_grad_norm
     ckpt = Checkpointer(cfg.checkpoint, world)
     precision, memprof = Precision.from_config(cfg.memory, world.device), MemoryProfiler(world, cfg, model, optimizer)
-    ctl = adaptive.build(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, train_step)
+    ctl = adaptive.AdaptiveController(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn,
+                                      train_step) if cfg.adaptive.enabled else None
     if ctl and elastic:
         elastic.adaptive.attach(ctl)  # a later world's controller takes over the last one's state
     watchdog.beat("start: checkpoint restore and broadcast from rank 0", 0, collective=True)
-    restore = partial(_restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(),
+    restore = partial(restore_or_broadcast, world, model, optimizer, reducer, sampler, ckpt, cfg.to_dict(),
                       precision, ctl)
     step, resumed = elastic.begin(restore) if elastic else restore()
     # The starting global batch: adaptive runs count progress and scale the lr against it.
