@@ -227,9 +227,8 @@ class AdaptiveController:
         return self.samples // period > self._samples_before // period
 
     def _decide(self, step: int, log: TrainLog) -> None:
-        noise = goodput.direction_noise(*optim.momentum_of(self.optimizer))
-        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k, self.ac.hysteresis,
-                             self.ac.max_growth, self.ac.norm_test, noise)
+        lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
+                             self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
         mine, failed = torch.zeros(3, dtype=torch.float64), None
         if self.world.is_root:
             try:

@@ -87,9 +87,7 @@ class AdaptiveConfig:
     lr_rule: str = "adascale"  # adascale (gain r; sqrt(r) for adam/adamw) | linear | sqrt | none (B / B0)
     hysteresis: float = 0.05  # switch only if the predicted goodput gain exceeds this fraction
     max_growth: float = 2.0  # largest factor the batch may grow (or shrink) per decision
-    # theta of the norm-test floor B >= rho x noise scale / theta^2, rho = (1 - beta)/(1 + beta) for an
-    # optimizer with momentum beta (the noise of the step it takes; 1 without momentum); 0 = no floor
-    norm_test: float = 1.0
+    norm_test: float = 1.0  # theta of the norm test floor B >= noise scale / theta^2; 0 = no floor
     precondition: bool = True  # adam/adamw: measure the noise scale on preconditioned gradients
     # adam/adamw: on a batch change, scale exp_avg_sq by the expected change of E[g²], (1 + φ/B')/(1 + φ/B)
     rescale_adam: bool = True

@@ -190,28 +190,6 @@ class Limits:
     hysteresis: float
     max_growth: float
     theta: float  # norm test; 0 = off
-    # Noise of the optimizer's step direction per unit of one gradient's (direction_noise): scales the
-    # norm test's floor. 1 = plain SGD, the test as Byrd et al. state it.
-    direction_noise: float = 1.0
-
-
-def direction_noise(momentum: float, nesterov: bool = False) -> float:
-    """Variance of the direction the optimizer steps along, over its squared mean, relative to one
-    gradient's (1 without momentum). The norm test asks that the step's noise not exceed θ² times the
-    signal, and a momentum buffer averages the independent noise of past steps' gradients: its mean is
-    G/(1-β), its variance σ²/(1-β²), so the ratio is (1-β)/(1+β), 1/19 at β = 0.9 (Adam's β1, SGD's
-    usual momentum). Nesterov's step g + β·buf keeps more of the current gradient's noise:
-    (1-β)²((1+β)² + β⁴/(1-β²)). The average assumes G moves little over ~1/(1-β) steps.
-
-    Applied to one gradient instead (until 6 December), the floor B ≥ φ pushed pylm (Adam) from
-    B = 32 to 64-128 late in runs to loss 1.3, costing it 1.1x the samples of fixed B = 32 and its
-    parity with B = 32 on the host (docs/adaptive.md)."""
-    b = min(max(momentum, 0.0), 0.999)
-    if b == 0.0:
-        return 1.0
-    if nesterov:
-        return (1 - b) ** 2 * ((1 + b) ** 2 + b**4 / (1 - b * b))
-    return (1 - b) / (1 + b)
 
 
 def candidates(lim: Limits, sizes: list[int]) -> list[tuple[int, int]]:
@@ -242,7 +220,7 @@ def decide(lim: Limits, model: StepTimeModel, phi: float, current: tuple[int, in
               if b_now / lim.max_growth <= batch(c) <= b_now * lim.max_growth]
     if not window:
         return current
-    floor = phi * lim.direction_noise / lim.theta**2 if lim.theta > 0 else 0.0
+    floor = phi / lim.theta**2 if lim.theta > 0 else 0.0
     floor = min(floor, max(batch(c) for c in window))  # the norm test can ask for more than allowed
     # A smaller batch must meet the floor SHRINK_MARGIN times over: φ moves ±30% between decisions,
     # and a floor met by a hair let the batch alternate 32 <-> 64 four times in 300 steps (pylm).

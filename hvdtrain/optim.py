@@ -45,17 +45,6 @@ def rescale_second_moment(optimizer: torch.optim.Optimizer, ratio: float) -> boo
     return True
 
 
-def momentum_of(optimizer: torch.optim.Optimizer) -> tuple[float, bool]:
-    """(β, nesterov) of the first param group: Adam/AdamW's β1 or SGD's momentum; (0, False) for
-    optimizers without a momentum buffer that averages gradients."""
-    group = optimizer.param_groups[0]
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return float(group["betas"][0]), False
-    if isinstance(optimizer, torch.optim.SGD):
-        return float(group.get("momentum", 0.0)), bool(group.get("nesterov", False))
-    return 0.0, False
-
-
 def decays(milestones: tuple[int, ...], step: float) -> int:
     """How many step-schedule milestones lie at or before `step` (an adaptive run passes progress τ)."""
     return sum(step >= m for m in milestones)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import blobs, mlp, small_config
 
-from hvdtrain import goodput, optim
+from hvdtrain import goodput
 from hvdtrain.adaptive import AdaptiveController
 from hvdtrain.config import AdaptiveConfig, Config, TrainConfig, build
 from hvdtrain.data import ShardedBatchSampler
@@ -176,49 +176,6 @@ def test_norm_test_floor_has_a_band_so_a_noisy_noise_scale_does_not_flip_the_bat
     assert goodput.decide(lim, times, 15.0, (16, 1), sizes) == (16, 1)  # was (8, 1)
     assert goodput.decide(lim, times, 14.0, (32, 1), sizes) == (16, 1)  # 32 >= 2 x 14: shrinks
     assert goodput.decide(limits(base=8, max_batch=128), times, 31.2, (32, 1), sizes) == (16, 1)  # θ = 0
-
-
-def _step_direction_noise(optimizer_cls, steps=60000, sigma=1.0, **kw):
-    """Var/mean² of PyTorch's own parameter updates under gradients G + σ·ξ (G = 1), over σ²."""
-    p = torch.zeros(1, requires_grad=True)
-    opt = optimizer_cls([p], lr=1.0, **kw)
-    gen = torch.Generator().manual_seed(0)
-    grads = 1.0 + sigma * torch.randn(steps, generator=gen, dtype=torch.float64)
-    moves = []
-    for g in grads:
-        before = p.detach().clone()
-        p.grad = g.to(torch.float32).reshape(1)
-        opt.step()
-        moves.append(float(before - p.detach()))
-    moves = torch.tensor(moves[200:], dtype=torch.float64)  # past the buffer's start-up
-    return float(moves.var() / moves.mean() ** 2) / sigma**2
-
-
-@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
-def test_the_norm_test_sees_the_noise_of_the_step_sgd_takes(momentum, nesterov):
-    # Against torch.optim.SGD's actual steps, not a re-derivation: with momentum 0.9 its step
-    # direction carries 1/19 (Nesterov ~1/14) of one gradient's noise per unit signal.
-    measured = _step_direction_noise(torch.optim.SGD, momentum=momentum, nesterov=nesterov)
-    assert goodput.direction_noise(momentum, nesterov) == pytest.approx(measured, rel=0.1)
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=momentum, nesterov=nesterov)
-    assert optim.momentum_of(opt) == (momentum, nesterov)
-
-
-def test_adam_momentum_and_the_floor_it_relaxes():
-    p = [torch.zeros(1, requires_grad=True)]
-    assert optim.momentum_of(torch.optim.AdamW(p, betas=(0.8, 0.99))) == (0.8, False)
-    assert optim.momentum_of(torch.optim.Adagrad(p)) == (0.0, False)
-    # pylm on the host late in a run (θ = 1, φ = 156): per-sample time flattens past B = 32, so
-    # goodput keeps B = 32; the plain floor B >= φ forces 64 (the 2x window's top, as 2 x 16); with Adam's
-    # β1 = 0.9 the step's noise asks for B >= 156/19 ≈ 8, and goodput decides.
-    times = goodput.StepTimeModel({8: 0.0115, 16: 0.0168, 32: 0.0335}, sync=0.0063)
-    sizes = [4, 8, 16, 32, 64]
-    assert goodput.decide(limits(base=8, max_batch=128), times, 156.0, (16, 1), sizes) == (16, 1)
-    assert goodput.decide(limits(base=8, max_batch=128, theta=1.0), times, 156.0, (16, 1), sizes) == (16, 2)
-    relaxed = limits(base=8, max_batch=128, theta=1.0, direction_noise=goodput.direction_noise(0.9))
-    assert goodput.decide(relaxed, times, 156.0, (16, 1), sizes) == (16, 1)
-    # ... while a noise scale 19x larger still binds it.
-    assert goodput.decide(relaxed, times, 19 * 156.0, (16, 1), sizes) == (16, 2)
 
 
 def test_bad_settings_give_clear_errors():
