@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,12 @@ from hvdtrain.config import CheckpointConfig
 from hvdtrain.errors import CheckpointError
 from hvdtrain.world import World
 from hvdtrain.zero import ZeroReducer
+
+if TYPE_CHECKING:  # types only: the training pieces this module restores, not what it imports to run
+    from hvdtrain.adaptive import AdaptiveController
+    from hvdtrain.data import ShardedBatchSampler
+    from hvdtrain.precision import Precision
+    from hvdtrain.reducer import GradReducer
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -197,9 +203,9 @@ class Checkpointer:
         return ("ok", state)
 
 
-def restore_or_broadcast(world: World, model: nn.Module, optimizer: Any, reducer: Any, sampler: Any,
-                         ckpt: Checkpointer, config: dict[str, Any], precision: Any,
-                         ctl: Any = None) -> tuple[int, str | None]:
+def restore_or_broadcast(world: World, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+                         sampler: ShardedBatchSampler, ckpt: Checkpointer, config: dict[str, Any],
+                         precision: Precision, ctl: AdaptiveController | None = None) -> tuple[int, str | None]:
     """The latest checkpoint into every piece of training state (the same one on every rank), or,
     with none, rank 0's weights broadcast to all; (step, path). All ranks must call."""
     state = ckpt.restore(config)
