@@ -3,7 +3,8 @@ progress τ (steps of the starting batch B0 worth of progress); global batch B =
 
 Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one stats
 allreduce per optimizer step attempt (hvdtrain/stepstats.py); on decision steps (every D steps after
-warm-up, by the step counter alone) one broadcast of rank 0's decision. An OOM on one rank never
+warm-up, by the step counter alone) one broadcast of rank 0's decision, started there and waited on
+after the next step, which applies it (so no rank blocks on it while the next step computes). An OOM on one rank never
 skips a collective: that rank sends NaN in the buckets it has not sent (the reducer holds
 backward's last bucket until synchronize, so one is always left), every rank sees a non-finite
 average and collects the stats at once, and their OOM flag makes every rank skip the attempt and
@@ -24,6 +25,7 @@ from torch.utils.data import Dataset, default_collate
 from hvdtrain import goodput, optim
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
+from hvdtrain.decision import PendingDecision
 from hvdtrain.errors import ConfigError
 from hvdtrain.gns import GradNormMeter, NoiseScale
 from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
@@ -63,6 +65,7 @@ class AdaptiveController:
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
+        self.pending = PendingDecision(world)  # rank 0's last decision, on its way to every rank
         self.probe_report: dict[str, Any] | None = None  # logged after the first step
         self._oom_here, self.clock = False, goodput.StepClock()
         sampler.variable = True
@@ -79,6 +82,7 @@ class AdaptiveController:
     def finish(self) -> None:
         """After the last step, on every rank: the last stats are applied and nothing is left in flight."""
         self.stats.collect()
+        self.pending.values()
 
     def _apply(self, m: int, k: int) -> None:
         self.m, self.k = m, k
@@ -217,8 +221,11 @@ class AdaptiveController:
                           f"{r['preferred']}, starting at m={r['m']} k={r['k']} ({r['seconds']:.2f} s)")
         if self.milestones:
             self._follow_decays(step, log)
-        elif step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
-            self._decide(step, log)
+            return
+        if self.pending.waiting:
+            self._take_decision(step, log)
+        if step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
+            self._decide(step)
 
     def due(self, every: int) -> bool:
         """For `train.eval_every` under a changing batch: True once per `every` x B0 samples, so
@@ -226,24 +233,24 @@ class AdaptiveController:
         period = every * self.base
         return self.samples // period > self._samples_before // period
 
-    def _decide(self, step: int, log: TrainLog) -> None:
+    def _decide(self, step: int) -> None:
+        """Rank 0 decides; the broadcast starts here and is taken after the next step. All ranks call."""
         lim = goodput.Limits(self.world.size, self.base, self.max_batch, self.cap, self.min_k,
                              self.ac.hysteresis, self.ac.max_growth, self.ac.norm_test)
-        mine, failed = torch.zeros(3, dtype=torch.float64), None
+        decision, cause = None, None
         if self.world.is_root:
             try:
-                mine[:] = torch.tensor([*goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k),
-                                                        self.sizes), self.noise.phi], dtype=torch.float64)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank together
-                failed, mine[0] = exc, -1.0  # raised here alone, it would leave the others in the broadcast
-        # Ranks' statistics can differ in the last bits: rank 0's choice and noise scale hold for all
-        # (Adam's state below must stay bitwise equal across ranks).
-        decision = self.world.broadcast(mine, name="hvdtrain.adaptive.decision").tolist()
-        if decision[0] < 0:
-            why = repr(failed) if failed else "see rank 0's output"
-            raise RuntimeError(f"step {step}: rank 0's batch decision failed ({why}); every rank stops here") \
-                from failed
-        m, k, phi = int(decision[0]), int(decision[1]), decision[2]
+                m, k = goodput.decide(lim, self.times, self.noise.phi, (self.m, self.k), self.sizes)
+                decision = (m, k, self.noise.phi)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it together, when the broadcast is taken
+                cause = exc  # raised here alone, it would leave the others waiting in the broadcast
+        self.pending.start(step, decision, cause)
+
+    def _take_decision(self, step: int, log: TrainLog) -> None:
+        """Apply the last decision step's decision from this step boundary on, on every rank."""
+        m, k, phi = self.pending.take()
+        if m > self.cap:  # an OOM since the decision lowered the cap (on every rank alike)
+            m, k = goodput.reshape(self.world.size * m * k, self.world.size, self.cap, self.min_k, self.max_batch)
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
         # Before _change so its batch event can say whether Adam's state was rescaled (non-Adam: no).
         rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.optimizer, ratio)
@@ -270,7 +277,8 @@ class AdaptiveController:
     # ---- state ----
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pending_stats": self.stats.state_dict(),
+        """All ranks call at the same step (it takes a decision still in flight)."""
+        return {"pending_stats": self.stats.state_dict(), "pending_decision": self.pending.state_dict(),
                 "m": self.m, "k": self.k, "cap": self.cap, "sizes": list(self.sizes), "tau": self.tau,
                 "samples": self.samples, "probed": self.probed, "ooms": self.ooms,
                 "decisions": [list(d) for d in self.decisions],
@@ -295,7 +303,10 @@ class AdaptiveController:
         self.times.load_state_dict(state["times"])
         self._apply(int(state["m"]), int(state["k"]))
         self.stats.load_state_dict(state.get("pending_stats"))  # absent before 2026-12-05
+        self.pending.load_state_dict(state.get("pending_decision"))  # absent before 2026-12-06
         if new_world or int(state.get("ranks", self.world.size)) != self.world.size:
+            # A decision for the old world's shape is dropped: the batch is reshaped for this one.
             old = int(state["ranks"]) * self.m * self.k
+            self.pending.drop()
             self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
             self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))

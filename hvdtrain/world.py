@@ -112,6 +112,11 @@ class World:
         pickle). All ranks must call with the same shape and dtype."""
         return _import_horovod().broadcast(tensor, root_rank=root, name=name)
 
+    def broadcast_async(self, tensor: torch.Tensor, name: str, root: int = 0) -> Any:
+        """Start `broadcast`; `wait(handle)` returns rank `root`'s tensor. All ranks must call, and
+        wait before starting another of the same name."""
+        return _import_horovod().broadcast_async(tensor, root_rank=root, name=name)
+
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """Rank `root`'s object on every rank. All ranks must call."""
         return _import_horovod().broadcast_object(obj, root_rank=root, name=name)
