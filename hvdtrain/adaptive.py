@@ -4,8 +4,8 @@ progress τ (steps of the starting batch B0 worth of progress); global batch B =
 Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one stats
 allreduce per optimizer step attempt (hvdtrain/stepstats.py); on decision steps (every D steps after
 warm-up, by the step counter alone) one broadcast of rank 0's decision, started there and waited on
-after the next step, which applies it (so no rank blocks on it while the next step computes). An OOM on one rank never
-skips a collective: that rank sends NaN in the buckets it has not sent (the reducer holds
+after the next step, which applies it (hvdtrain/decision.py). An OOM on one rank never skips a
+collective: that rank sends NaN in the buckets it has not sent (the reducer holds
 backward's last bucket until synchronize, so one is always left), every rank sees a non-finite
 average and collects the stats at once, and their OOM flag makes every rank skip the attempt and
 retry the same samples with a smaller m and a larger k (same B, same LR).
