@@ -248,9 +248,9 @@ class AdaptiveController:
 
     def _take_decision(self, step: int, log: TrainLog) -> None:
         """Apply the last decision step's decision from this step boundary on, on every rank."""
+        # An OOM in the step between may have lowered the cap under this m: the OOM backstop, which
+        # every rank takes alike, shrinks it again if it fails, so no special case here.
         m, k, phi = self.pending.take()
-        if m > self.cap:  # an OOM since the decision lowered the cap (on every rank alike)
-            m, k = goodput.reshape(self.world.size * m * k, self.world.size, self.cap, self.min_k, self.max_batch)
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
         # Before _change so its batch event can say whether Adam's state was rescaled (non-Adam: no).
         rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.optimizer, ratio)
