@@ -1,10 +1,10 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="hvdtrain",
     version="0.1.0",
     description="Horovod-based data-parallel training toolkit for PyTorch",
-    packages=["hvdtrain"],
+    packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     python_requires=">=3.10",
     # torch and horovod are installed by scripts/install.sh (Horovod 0.28.1 needs a patched build
     # against PyTorch >= 2.1), so they are declared with the ranges we test, not fetched here.
@@ -19,5 +19,5 @@ setup(
         "matplotlib>=3.8",
         "pyyaml>=6.0",
     ],
-    entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
+    entry_points={"console_scripts": ["hvdtrain=hvdtrain.tools.cli:main"]},
 )

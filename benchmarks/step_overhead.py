@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from hvdtrain import config as config_mod
-from hvdtrain.bench_loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step, _plain_step
+from hvdtrain.bench.loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step, _plain_step
+from hvdtrain.comm.reducer import GradReducer
 from hvdtrain.metrics import MetricSums
-from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import build_task
 from hvdtrain.world import World
 
@@ -78,7 +78,7 @@ def _tiny_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, to
 def _tiny_step(world: World, way: str) -> Any:
     import horovod.torch as hvd
 
-    from hvdtrain.trainer import train_step
+    from hvdtrain.loop import train_step
 
     torch.manual_seed(0)
     model = nn.Linear(8, 8)

@@ -17,7 +17,7 @@ from hvdtrain.config import (
     TrainConfig,
 )
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.trainer import FitResult, evaluate, fit
+from hvdtrain.loop import FitResult, evaluate, fit
 from hvdtrain.world import World
 
 __version__ = "0.1.0"

@@ -19,16 +19,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.errors import CheckpointError
 from hvdtrain.world import World
-from hvdtrain.zero import ZeroReducer
 
 if TYPE_CHECKING:  # types only: the training pieces this module restores, not what it imports to run
-    from hvdtrain.adaptive import AdaptiveController
+    from hvdtrain.adaptive.controller import AdaptiveController
+    from hvdtrain.comm.reducer import GradReducer
     from hvdtrain.data import ShardedBatchSampler
     from hvdtrain.precision import Precision
-    from hvdtrain.reducer import GradReducer
 
 FORMAT = 1
 STATE_FILE = "state.pt"

@@ -183,7 +183,7 @@ def fit_elastic(world: World, model: nn.Module, optimizer: torch.optim.Optimizer
                 extra: dict[str, Stateful] | None = None) -> Any:
     """`fit` that survives workers leaving and joining. All ranks must call; `extra` objects are
     committed, restored and broadcast with the model."""
-    from hvdtrain.trainer import fit_once
+    from hvdtrain.loop import fit_once
 
     check_launcher(world)
     tc = cfg.train

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hvdtrain.comm.reducer import GradReducer
 from hvdtrain.config import MemoryConfig
 from hvdtrain.errors import ConfigError
-from hvdtrain.memprof import nvtx_range
-from hvdtrain.reducer import GradReducer
+from hvdtrain.profile.memory import nvtx_range
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -32,5 +32,5 @@ slots="${slots%%(*}"  # "2(x3)" -> 2
 if command -v scontrol >/dev/null 2>&1; then
     scontrol show hostnames "$nodes"
 else
-    python3 -c 'import sys; from hvdtrain.hosts import expand_nodelist; print("\n".join(expand_nodelist(sys.argv[1])))' "$nodes"
+    python3 -c 'import sys; from hvdtrain.tools.hosts import expand_nodelist; print("\n".join(expand_nodelist(sys.argv[1])))' "$nodes"
 fi | sed "s/\$/:$slots/"

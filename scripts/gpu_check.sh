@@ -117,11 +117,11 @@ def worker(out_path):
     # NCCL on GPUs; without one the same code runs over Gloo/MPI on CPU, so an API or numeric break
     # still fails here, but NCCL itself is reported as not checked.
     comp = config_field("compression")
-    if comp is None or importlib.util.find_spec("hvdtrain.compression") is None:
+    if comp is None or importlib.util.find_spec("hvdtrain.comm.compression") is None:
         record("fp16_compression", "skip", "not built yet (hvdtrain has no compression option)")
     else:
         try:
-            from hvdtrain.compression import make_codec
+            from hvdtrain.comm.compression import make_codec
             g = torch.Generator(device="cpu").manual_seed(world.rank)
             bucket = torch.randn(4 * MiB, generator=g).to(world.device)
             exact = hvd.allreduce(bucket, op=hvd.Average, name="gpu_check.fp32")
@@ -139,7 +139,7 @@ def worker(out_path):
             else:
                 record("fp16_compression", "skip", "no CUDA GPU: NCCL not checked (the codec passed over "
                        "Gloo/MPI on CPU)", **numbers)
-        except Exception as e:  # an API change in hvdtrain.compression is a failure to look at
+        except Exception as e:  # an API change in hvdtrain.comm.compression is a failure to look at
             record("fp16_compression", "fail", f"{type(e).__name__}: {e}")
 
     # allreduce bus bandwidth for 64 MiB (nccl-tests' definition: busbw = algbw * 2(n-1)/n).

@@ -8,8 +8,8 @@ from helpers import Crash, blobs, crashing_fit, flat_params, mlp, shared_tmpdir,
 from torch.utils.data import Dataset
 
 import hvdtrain
+from hvdtrain.adaptive.probe import FaultInjector, Prober, probe
 from hvdtrain.config import AdaptiveConfig, CheckpointConfig
-from hvdtrain.memprobe import FaultInjector, Prober, probe
 from hvdtrain.tasks import classification_loss
 
 
@@ -228,9 +228,9 @@ def test_decay_to_batch_turns_each_lr_decay_into_batch_growth_until_the_cap(worl
 
 
 def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at_once(world):
-    from hvdtrain.gns import NoiseScale
-    from hvdtrain.goodput import StepTimeModel
-    from hvdtrain.stepstats import StepStats
+    from hvdtrain.adaptive.gns import NoiseScale
+    from hvdtrain.adaptive.goodput import StepTimeModel
+    from hvdtrain.adaptive.stats import StepStats
 
     def fresh():
         noise = NoiseScale(0.9, 8)
@@ -259,9 +259,9 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
 
 
 def test_step_stats_carry_every_ranks_sums_in_fp32_and_keep_an_overflowed_norm_out(world):
-    from hvdtrain.gns import NoiseScale
-    from hvdtrain.goodput import StepTimeModel
-    from hvdtrain.stepstats import StepStats
+    from hvdtrain.adaptive.gns import NoiseScale
+    from hvdtrain.adaptive.goodput import StepTimeModel
+    from hvdtrain.adaptive.stats import StepStats
 
     noise = NoiseScale(0.9, 8)
     stats = StepStats(world, noise, StepTimeModel({}))
@@ -316,7 +316,7 @@ def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(
     assert all(e[:3] == every[0][:3] for e in every)
     assert all(e[3] == every[0][3] for e in every)
     root_changes = every[0][3]
-    assert ratios == [hvdtrain.goodput.second_moment_ratio(phi, old, new) for old, new, phi in root_changes]
+    assert ratios == [hvdtrain.adaptive.goodput.second_moment_ratio(phi, old, new) for old, new, phi in root_changes]
     assert all(r < 1 for r in ratios)  # the batch only grew: less noise in E[g²]
     _, kept, _ = run(False)
     assert len(ratios) == len(changes)  # off: no rescale at all
@@ -327,7 +327,7 @@ def test_a_decision_that_fails_on_rank_0_stops_every_rank_instead_of_hanging(wor
     def broken(*args):
         raise ValueError("no candidate")
 
-    monkeypatch.setattr(hvdtrain.goodput, "decide", broken)  # only rank 0 calls it
+    monkeypatch.setattr(hvdtrain.adaptive.goodput, "decide", broken)  # only rank 0 calls it
     cfg = growing_config(max_micro_batch=0)
     with pytest.raises(RuntimeError, match="step 2: rank 0's batch decision failed"):
         hvdtrain.fit(world, mlp(seed=3), None, Indexed(64 * world.size), cfg, loss_fn=recording_loss([]))

@@ -6,7 +6,7 @@ import types
 from helpers import blobs, mlp, small_config
 
 import hvdtrain
-from hvdtrain import bench_adaptive
+from hvdtrain.bench import adaptive as bench_adaptive
 from hvdtrain.tasks import classification_loss
 
 

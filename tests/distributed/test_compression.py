@@ -7,9 +7,9 @@ import torch
 from helpers import blobs, flat_params, mlp, small_config, train_digits
 
 import hvdtrain
-from hvdtrain.compression import BF16, FP16, Codec
+from hvdtrain.comm.compression import BF16, FP16, Codec
+from hvdtrain.comm.reducer import GradReducer
 from hvdtrain.config import CommConfig
-from hvdtrain.reducer import GradReducer
 from hvdtrain.tasks import classification_loss
 
 

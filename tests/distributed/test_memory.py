@@ -11,7 +11,7 @@ from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config, train_
 import hvdtrain
 from hvdtrain.checkpoint import load_checkpoint
 from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, build
-from hvdtrain.memprof import optimizer_tensors
+from hvdtrain.profile.memory import optimizer_tensors
 from hvdtrain.tasks import build_task, classification_loss
 
 

@@ -3,8 +3,8 @@
 import torch
 from torch.utils.data import TensorDataset
 
+from hvdtrain.loop import evaluate
 from hvdtrain.metrics import MetricSums
-from hvdtrain.trainer import evaluate
 
 
 class Scale(torch.nn.Module):

@@ -7,10 +7,10 @@ import torch
 from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
 
 import hvdtrain
+from hvdtrain.comm.zero import ZeroReducer
+from hvdtrain.comm.zero_state import consolidate, reshard
 from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, OptimConfig
 from hvdtrain.tasks import classification_loss
-from hvdtrain.zero import ZeroReducer
-from hvdtrain.zero_state import consolidate, reshard
 
 # 515 parameters (odd: every world size pads), in two buckets of 131 and 384 values.
 BUCKET_MB = 0.001

@@ -2,7 +2,7 @@
 
 from launch import BIN, horovodrun, run
 
-from hvdtrain.bench_train import records
+from hvdtrain.bench.train import records
 
 CLI = str(BIN / "hvdtrain")
 

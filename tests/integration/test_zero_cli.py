@@ -6,7 +6,7 @@ import torch
 from launch import BIN, horovodrun, run
 
 from hvdtrain.checkpoint import load_checkpoint
-from hvdtrain.zero_state import consolidate
+from hvdtrain.comm.zero_state import consolidate
 
 CLI = str(BIN / "hvdtrain")
 COMMON = ["--task", "digits", "--set", "optim.name=adam", "--set", "optim.lr=0.001", "--set", "log.progress=false",

@@ -7,13 +7,13 @@ import pytest
 import torch
 from helpers import blobs, mlp, small_config
 
-from hvdtrain import goodput
-from hvdtrain.adaptive import AdaptiveController
+from hvdtrain.adaptive import goodput
+from hvdtrain.adaptive.controller import AdaptiveController
+from hvdtrain.adaptive.gns import GradNormMeter, NoiseScale, SampleAverage, estimate
+from hvdtrain.adaptive.probe import FaultInjector, Prober, is_oom, shrink_after_oom
 from hvdtrain.config import AdaptiveConfig, Config, TrainConfig, build
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError, TrainingStopped
-from hvdtrain.gns import GradNormMeter, NoiseScale, SampleAverage, estimate
-from hvdtrain.memprobe import FaultInjector, Prober, is_oom, shrink_after_oom
 from hvdtrain.tasks import classification_loss
 from hvdtrain.world import World
 
@@ -82,7 +82,7 @@ def test_meter_measures_each_micro_batch_before_accumulation():
 
 @pytest.mark.parametrize("precondition", [True, False])
 def test_meter_on_the_reducer_buckets_equals_the_per_tensor_hooks(world, precondition):
-    from hvdtrain.reducer import GradReducer
+    from hvdtrain.comm.reducer import GradReducer
 
     model = mlp(seed=3)
     x, y = blobs(n=16).tensors
@@ -242,7 +242,7 @@ def test_probe_bisects_to_the_injected_limit_and_respects_a_memory_budget():
 
 
 def test_probe_keeps_the_fastest_run_of_each_size(monkeypatch):
-    from hvdtrain import memprobe
+    from hvdtrain.adaptive import probe as memprobe
 
     ticks = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # runs of 5, 1 and 3 s at the same size
     monkeypatch.setattr(memprobe.time, "perf_counter", lambda: next(ticks))
@@ -346,7 +346,7 @@ def test_an_oom_shrinks_the_micro_batch_and_keeps_the_batch():
 
 
 def test_bench_rejects_unknown_task_before_starting(capsys):
-    from hvdtrain.cli import main
+    from hvdtrain.tools.cli import main
 
     assert main(["bench", "adaptive", "--tasks", "nope"]) == 2
     assert "--tasks 'nope' is not allowed; choose from pylm, digits" in capsys.readouterr().err
@@ -371,7 +371,8 @@ def test_bench_rejects_unknown_task_before_starting(capsys):
 def test_bench_refuses_a_held_out_set_smaller_than_the_ranks(world, monkeypatch):
     import types
 
-    from hvdtrain import bench_adaptive, tasks
+    from hvdtrain import tasks
+    from hvdtrain.bench import adaptive as bench_adaptive
 
     task = types.SimpleNamespace(model=mlp(seed=1), train_set=blobs(n=32), eval_set=blobs(n=0),
                                  loss_fn=classification_loss)
@@ -384,7 +385,7 @@ def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
     import json
     import types
 
-    from hvdtrain.bench_adaptive import _summary
+    from hvdtrain.bench.adaptive import _summary
 
     def run(seed, mode, batch, time_s, evals, lr=0.1, reached=True):
         return {"seed": seed, "mode": mode, "variant": "default" if mode == "adaptive" else "", "start_batch": batch,
@@ -423,7 +424,7 @@ def test_bench_summary_pairs_seeds_and_reports_samples_to_target():
 
 
 def test_decayed_batch_follows_gamma_up_to_the_cap():
-    from hvdtrain.goodput import Limits, decayed_batch
+    from hvdtrain.adaptive.goodput import Limits, decayed_batch
 
     lim = Limits(ranks=2, base=8, max_batch=128, cap=16, min_k=1, hysteresis=0.0, max_growth=1.0, theta=0.0)
     assert [decayed_batch(lim, 0.25, d) for d in range(4)] == [(4, 1), (16, 1), (16, 4), (16, 4)]
@@ -441,7 +442,7 @@ def test_step_schedule_multiplies_by_gamma_at_each_milestone():
 
 
 def test_adam_preconditioner_caps_elements_adam_has_not_seen_yet():
-    from hvdtrain.gns import FLOOR_WEIGHT, GradNormMeter
+    from hvdtrain.adaptive.gns import FLOOR_WEIGHT, GradNormMeter
 
     torch.manual_seed(0)
     emb = torch.nn.Embedding(10, 4)
@@ -457,7 +458,7 @@ def test_adam_preconditioner_caps_elements_adam_has_not_seen_yet():
 
 
 def test_adam_preconditioner_is_rebuilt_every_step_early_then_at_most_every_refresh_max_steps():
-    from hvdtrain.gns import REFRESH_MAX
+    from hvdtrain.adaptive.gns import REFRESH_MAX
 
     torch.manual_seed(0)
     model = mlp(seed=2)
@@ -486,7 +487,7 @@ def test_adam_preconditioner_is_rebuilt_every_step_early_then_at_most_every_refr
 
 
 def _phi_after_spike(monkeypatch, spike_guard: float) -> tuple[float, float]:
-    from hvdtrain import gns
+    from hvdtrain.adaptive import gns
 
     monkeypatch.setattr(gns, "SPIKE", spike_guard)
     ns = NoiseScale(0.99, 8)
@@ -536,7 +537,7 @@ def test_reshape_for_a_new_world_keeps_the_batch_where_the_size_divides_it():
 
 def test_a_checkpoint_from_another_world_size_keeps_its_batch_and_probes_again():
     # An elastic run at 2 ranks checkpoints B = 64; a relaunch on 1 rank (same B0 = 16) resumes it.
-    from hvdtrain.reducer import GradReducer
+    from hvdtrain.comm.reducer import GradReducer
 
     def controller(world, batch_size):
         cfg = Config(adaptive=AdaptiveConfig(enabled=True, max_batch=64), train=TrainConfig(batch_size=batch_size))

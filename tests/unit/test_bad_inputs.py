@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain.cli import main
+from hvdtrain.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_launch_without_horovodrun_anywhere(tmp_path):
     (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
     site = sysconfig.get_paths()["purelib"]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{site}", "HOME": str(tmp_path)}
-    res = subprocess.run([str(bin_dir / "python3"), "-m", "hvdtrain.cli", "launch", "--hosts", "localhost",
+    res = subprocess.run([str(bin_dir / "python3"), "-m", "hvdtrain.tools.cli", "launch", "--hosts", "localhost",
                           "--no-preflight", "--", "true"], capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [

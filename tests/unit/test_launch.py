@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from hvdtrain import launch
-from hvdtrain.cli import main
-from hvdtrain.hosts import (
+from hvdtrain.tools import launch
+from hvdtrain.tools.cli import main
+from hvdtrain.tools.hosts import (
     Host,
     LaunchError,
     expand_nodelist,

@@ -12,9 +12,9 @@ from hvdtrain import checkpoint_modules
 from hvdtrain.activations import Checkpointed, checkpoint_blocks
 from hvdtrain.config import ModelConfig, build
 from hvdtrain.errors import ConfigError
-from hvdtrain.memprof import ActivationMeter
-from hvdtrain.models import GPT, DigitsCNN, ResNet
 from hvdtrain.precision import LossScaler, Precision
+from hvdtrain.profile.memory import ActivationMeter
+from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet
 
 
 @pytest.mark.parametrize("override, message", [
@@ -165,7 +165,7 @@ def test_activation_meter_keeps_the_largest_micro_batch():
     (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bench_memory_rejects_bad_flags(argv, message, capsys):
-    from hvdtrain import cli
+    from hvdtrain.tools import cli
 
     assert cli.main(["bench", "memory", *argv]) == 2
     assert message in capsys.readouterr().err

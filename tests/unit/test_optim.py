@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hvdtrain import goodput
+from hvdtrain.adaptive import goodput
 from hvdtrain.config import OptimConfig
 from hvdtrain.optim import LRSchedule, build_optimizer, rescale_second_moment, scale_factor
 

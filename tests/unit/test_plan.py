@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from hvdtrain import plan
-from hvdtrain.cli import main
 from hvdtrain.config import Config, MemoryConfig, ModelConfig, build
 from hvdtrain.errors import ConfigError
-from hvdtrain.models import GPT, count_parameters
+from hvdtrain.tasks.models import GPT, count_parameters
+from hvdtrain.tools import plan
+from hvdtrain.tools.cli import main
 
 
 def test_paper_example_7_5b_adam_mixed_precision_64_ranks():

@@ -2,7 +2,7 @@
 
 import torch
 
-from hvdtrain.reducer import _all_finite
+from hvdtrain.comm.reducer import _all_finite
 
 
 def test_all_finite_agrees_with_the_elementwise_check():
@@ -28,9 +28,9 @@ def _model() -> torch.nn.Module:
 def test_grads_stay_bucket_views_and_steps_match_plain_pytorch():
     """One rank: the reducer keeps each .grad a view of its bucket and zeroes the buckets in place;
     with two micro-batches accumulated every step, the weights still equal plain PyTorch's."""
+    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.loop import train_step
     from hvdtrain.metrics import MetricSums
-    from hvdtrain.reducer import GradReducer
-    from hvdtrain.trainer import train_step
     from hvdtrain.world import World
 
     world = World(0, 1, 0, 1, torch.device("cpu"))
@@ -60,7 +60,7 @@ def test_grads_stay_bucket_views_and_steps_match_plain_pytorch():
 
 
 def test_a_grad_rebound_elsewhere_is_copied_in_and_becomes_a_view_again():
-    from hvdtrain.reducer import GradReducer
+    from hvdtrain.comm.reducer import GradReducer
     from hvdtrain.world import World
 
     model = _model()

@@ -2,7 +2,7 @@
 
 import math
 
-from hvdtrain.bench_train import _scaling, ring_step
+from hvdtrain.bench.train import _scaling, ring_step
 
 
 def test_ring_model_adds_latency_and_bandwidth_terms_of_a_ring_allreduce():

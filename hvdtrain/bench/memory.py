@@ -55,9 +55,9 @@ class _Runner:
 
     def __init__(self, world: Any, cfg: Any, task: Any, initial: dict, variant: str) -> None:
         from hvdtrain.activations import checkpoint_blocks
+        from hvdtrain.comm.reducer import GradReducer
         from hvdtrain.optim import build_optimizer
         from hvdtrain.precision import Precision
-        from hvdtrain.reducer import GradReducer
 
         precision, _, ckpt = variant.partition("+")
         self.world, self.task, self.variant = world, task, variant
@@ -73,8 +73,8 @@ class _Runner:
         self.precision = Precision.from_config(self.cfg.memory, world.device)
 
     def step(self, batch: Any) -> None:
+        from hvdtrain.loop import train_step
         from hvdtrain.metrics import MetricSums
-        from hvdtrain.trainer import train_step
 
         train_step(self.model, self.optimizer, self.reducer, [batch], self.task.loss_fn, MetricSums(),
                    self.cfg.optim.clip_grad_norm, self.world.device, precision=self.precision)
@@ -94,7 +94,7 @@ class _Runner:
         return statistics.median(times)
 
     def profile(self, batch: Any) -> dict[str, int]:
-        from hvdtrain.memprof import MemoryProfiler
+        from hvdtrain.profile.memory import MemoryProfiler
 
         cfg = dataclasses.replace(self.cfg, memory=dataclasses.replace(self.cfg.memory, profile=True),
                                   log=dataclasses.replace(self.cfg.log, dir=""))
@@ -109,10 +109,10 @@ def memory(world: Any, cfg: Any, variants: list[str], steps: int, warmup: int, r
     """Time and profile each variant; rank 0 prints the records. All ranks call."""
     import torch
 
-    from hvdtrain.bench import emit
+    from hvdtrain.bench.allreduce import emit
     from hvdtrain.data import ShardedBatchSampler, train_loader
-    from hvdtrain.models import count_parameters
     from hvdtrain.tasks import build_task
+    from hvdtrain.tasks.models import count_parameters
 
     task = build_task(cfg)
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)

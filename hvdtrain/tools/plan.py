@@ -82,7 +82,7 @@ def count_model_params(cfg: Any) -> int:
     """Parameters of the config's built-in model (tied weights once), built without memory."""
     import torch
 
-    from hvdtrain.models import GPT, DigitsCNN, ResNet, count_parameters
+    from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet, count_parameters
 
     with torch.device("meta"):
         if cfg.task == "pylm":
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                     record["budget_gb"] = args.budget_gb
                     record["largest"] = largest_layers(cfg, args.budget_gb * 2**30, ranks, stage, optimizer, precision)
                 if args.measure:
-                    from hvdtrain.plan_measure import measure
+                    from hvdtrain.tools.plan_measure import measure
 
                     record["measured"] = measure(world, cfg, stage, optimizer, args.steps)
                     record["measured_over_predicted"] = {k: record["measured"][k] / record["memory"][k]
@@ -195,7 +195,7 @@ def predict(cfg: Any, params: int, ranks: int, stage: int, optimizer: str, preci
 
 def measure_link(world: Any) -> dict:
     """Latency and bandwidth fitted to the ring model from a 4 KiB and a 16 MiB allreduce."""
-    from hvdtrain.bench import allreduce
+    from hvdtrain.bench.allreduce import allreduce
 
     if world.size == 1:
         raise ConfigError("--measure-link needs at least two ranks (run under horovodrun)")

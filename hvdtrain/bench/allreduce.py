@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hvdtrain.compression import make_codec
+from hvdtrain.comm.compression import make_codec
 from hvdtrain.world import World, _import_horovod
 
 MODES = ("fp32", "fp16", "bf16", "hvd-fp16")
@@ -104,9 +104,9 @@ def allreduce(world: World, sizes: list[int], modes: list[str], iters: int = 0, 
 
 def _time_steps(world: World, task: Any, cfg: Any, batches: list, mode: str | None, warmup: int) -> list[float]:
     """Per-step seconds of real training steps; mode None = no communication at all (compute only)."""
+    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.loop import _to_device
     from hvdtrain.optim import build_optimizer
-    from hvdtrain.reducer import GradReducer
-    from hvdtrain.trainer import _to_device
 
     model = task.model
     optimizer = build_optimizer(model, cfg.optim)
@@ -132,8 +132,8 @@ def compression(world: World, cfg: Any, steps: int, modes: list[str], warmup: in
     import copy
 
     from hvdtrain.data import ShardedBatchSampler, train_loader
-    from hvdtrain.models import count_parameters
     from hvdtrain.tasks import build_task
+    from hvdtrain.tasks.models import count_parameters
 
     task = build_task(cfg)
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)

@@ -3,10 +3,10 @@
 For each task and rank count it launches, round after round (so slow drifts in machine load hit
 every way alike): hvdtrain and the hand-written `hvd.DistributedOptimizer` loop under
 `horovodrun --gloo` / `--mpi`, and DDP under `torchrun` (`python -m torch.distributed.run`). Each
-launch is `hvdtrain.bench_loops`; its JSON line is the slowest rank's median step after warm-up.
+launch is `hvdtrain.bench.loops`; its JSON line is the slowest rank's median step after warm-up.
 Printed, one JSON line each: every launch (`train-run`), the median and spread over rounds with
 ratios (`train`), and samples/s, scaling efficiency and the ring model's prediction vs np
-(`train-scaling`). `--plot DIR` adds PNG charts and summary.md (hvdtrain.bench_plot).
+(`train-scaling`). `--plot DIR` adds PNG charts and summary.md (hvdtrain.bench.plot).
 Run it without a launcher: it launches the ranks itself. `--hosts a:1,b:1` runs across hosts over ssh
 (horovodrun -H; one torchrun per host for DDP), e.g. inside `scripts/testbed.sh run` on the namespace hosts.
 """
@@ -86,7 +86,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def _host_lists(text: str, nps: list[int], ddp: bool) -> dict[int, list[Any]]:
     """For each np, the hosts that run it (filled in order) with the slots used on each."""
-    from hvdtrain.hosts import Host, LaunchError, parse_hosts
+    from hvdtrain.tools.hosts import Host, LaunchError, parse_hosts
 
     try:
         hosts = parse_hosts(text)
@@ -146,7 +146,7 @@ def _launch(cmds: list[list[str]], env: dict[str, str], timeout: float, kind: st
 
 def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
              plan: dict[str, Any]) -> list[list[str]]:
-    worker = ["-m", "hvdtrain.bench_loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
+    worker = ["-m", "hvdtrain.bench.loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
               "--warmup", str(args.warmup)] + [a for kv in args.overrides for a in ("--set", kv)]
     hosts = plan["hosts"].get(np)
     if mode == "ddp" and hosts:
@@ -161,7 +161,7 @@ def _horovodrun(ctrl: str, np: int, plan: dict[str, Any]) -> list[str]:
     hosts = plan["hosts"].get(np)
     where = ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)] if hosts else []
     if hosts and ctrl == "mpi":  # as `hvdtrain launch` runs it across hosts
-        from hvdtrain.launch import MPI_RING_ARGS
+        from hvdtrain.tools.launch import MPI_RING_ARGS
 
         where.append(f"--mpi-args={MPI_RING_ARGS}")
     return [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np), *where, f"--{ctrl}", sys.executable]
@@ -223,7 +223,7 @@ def _ring_probe(task: str, np: int, ctrl: str, params: int, plan: dict[str, Any]
                 args: argparse.Namespace) -> dict[str, float]:
     """Latency alpha (s per message) and bandwidth beta (bytes/s) from two timed allreduces at np."""
     size = params * 4
-    cmd = _horovodrun(ctrl, np, plan) + ["-m", "hvdtrain.cli", "bench", "allreduce", "--sizes", f"4,{size}",
+    cmd = _horovodrun(ctrl, np, plan) + ["-m", "hvdtrain.tools.cli", "bench", "allreduce", "--sizes", f"4,{size}",
                                          "--modes", "fp32", "--iters", "10"]
     recs = {r["bytes"]: r["time_s"] for r in _launch([cmd], plan["env"], args.timeout, "allreduce")}
     hops = 2 * (np - 1)
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             _emit(rec)
             scaling.append(rec)
     if args.plot:
-        from hvdtrain.bench_plot import write
+        from hvdtrain.bench.plot import write
 
         write(Path(args.plot), results, scaling, vars(args))
     return 0

@@ -20,22 +20,22 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain import adaptive
 from hvdtrain.activations import checkpoint_blocks
+from hvdtrain.adaptive import controller as adaptive
 from hvdtrain.checkpoint import Checkpointer, restore_or_broadcast
-from hvdtrain.compression import AutoSelect
+from hvdtrain.comm.compression import AutoSelect
+from hvdtrain.comm.reducer import GradReducer
+from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, train_loader
 from hvdtrain.errors import TrainingStopped
-from hvdtrain.memprof import MemoryProfiler, nvtx_range
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
 from hvdtrain.precision import Precision
-from hvdtrain.reducer import GradReducer
+from hvdtrain.profile.memory import MemoryProfiler, nvtx_range
 from hvdtrain.tasks import LossFn, classification_loss
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
-from hvdtrain.zero import ZeroReducer
 
 
 @dataclass

@@ -22,15 +22,16 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from hvdtrain import goodput, optim
+from hvdtrain import optim
+from hvdtrain.adaptive import goodput
+from hvdtrain.adaptive.decision import PendingDecision
+from hvdtrain.adaptive.gns import GradNormMeter, NoiseScale
+from hvdtrain.adaptive.probe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
+from hvdtrain.adaptive.stats import StatsReducer, StepStats
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
-from hvdtrain.decision import PendingDecision
 from hvdtrain.errors import ConfigError
-from hvdtrain.gns import GradNormMeter, NoiseScale
-from hvdtrain.memprobe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
 from hvdtrain.metrics import MetricSums, TrainLog
-from hvdtrain.stepstats import StatsReducer, StepStats
 from hvdtrain.world import World
 
 

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.compression import reducescatter_finish, reducescatter_launch
+from hvdtrain.comm.compression import reducescatter_finish, reducescatter_launch
+from hvdtrain.comm.reducer import HookedBuckets
 from hvdtrain.errors import CheckpointError, ConfigError
-from hvdtrain.reducer import HookedBuckets
 from hvdtrain.world import World, _import_horovod
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -216,7 +216,7 @@ class ZeroReducer(HookedBuckets):
     def load_shards(self, saved: list[dict[str, Any]]) -> None:
         """Restore from every saved rank's state (in rank order). The same partition loads this
         rank's shard exactly; any other (world size, bucket size) is re-sharded by parameter name."""
-        from hvdtrain.zero_state import reshard
+        from hvdtrain.comm.zero_state import reshard
 
         if not saved or any("zero" not in s for s in saved):
             raise CheckpointError("the checkpoint has no ZeRO optimizer shards (saved with memory.zero_stage=0); "

@@ -7,7 +7,7 @@
 Every way trains the same model from the same weights on the same pre-loaded batches with one
 intra-op thread per rank. Each rank times every step; rank 0 prints one JSON line with the slowest
 rank's median (a data-parallel step is as fast as its slowest rank). Run as
-`python -m hvdtrain.bench_loops --mode M --task T [--set k=v ...]` under the matching launcher.
+`python -m hvdtrain.bench.loops --mode M --task T [--set k=v ...]` under the matching launcher.
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def _horovod_world(mode: str) -> tuple[Any, Callable[[Any], list[Any]], str]:
 
 
 def _hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.loop import train_step
     from hvdtrain.metrics import MetricSums
     from hvdtrain.optim import build_optimizer
-    from hvdtrain.reducer import GradReducer
-    from hvdtrain.trainer import train_step
 
     model = task.model
     world.broadcast_parameters(model.state_dict())
@@ -130,7 +130,7 @@ def _ddp_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
 
 def _batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
     from hvdtrain.data import ShardedBatchSampler, train_loader
-    from hvdtrain.trainer import _to_device
+    from hvdtrain.loop import _to_device
 
     sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     out: list[Any] = []
@@ -150,8 +150,8 @@ def _sync(device: torch.device) -> None:
 
 def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
     """Train `warmup + steps` steps in `mode`; the record (on rank 0) or None. All ranks call."""
-    from hvdtrain.models import count_parameters
     from hvdtrain.tasks import build_task
+    from hvdtrain.tasks.models import count_parameters
 
     torch.set_num_threads(1)
     world, gather, backend = _ddp_world() if mode == "ddp" else _horovod_world(mode)
@@ -197,7 +197,7 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     from hvdtrain import config as config_mod
 
-    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench_loops")
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.loops")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--task", default="synthetic")
     p.add_argument("--config")

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hvdtrain.config import Config
 from hvdtrain.errors import DataError
-from hvdtrain.models import GPT, DigitsCNN, ResNet, SignalCNN
+from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet, SignalCNN
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

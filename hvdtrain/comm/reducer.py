@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from hvdtrain.compression import Codec, Pending, make_codec
+from hvdtrain.comm.compression import Codec, Pending, make_codec
 from hvdtrain.world import World
 
 

@@ -106,8 +106,8 @@ class _Watch:
 def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, adaptive: dict | None,
          spec: dict, budget: float, eval_samples: int, variant: str = "") -> dict[str, Any]:
     from hvdtrain.config import AdaptiveConfig
+    from hvdtrain.loop import fit
     from hvdtrain.tasks import build_task
-    from hvdtrain.trainer import fit
 
     batch = world.size * m
     # Every run evaluates once per `eval_samples` training samples: with adaptive batch sizing

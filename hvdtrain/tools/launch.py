@@ -23,7 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.hosts import Host, LaunchError, discover_hosts, hosts_from_slurm, last_line, parse_hosts, read_hostfile
+from hvdtrain.tools.hosts import (
+    Host,
+    LaunchError,
+    discover_hosts,
+    hosts_from_slurm,
+    last_line,
+    parse_hosts,
+    read_hostfile,
+)
 
 # Open MPI's default (tuned) allreduce at 3 ranks measured ~2.7x slower than ring on a limited link
 # (docs/multihost.md); algorithm 4 is ring. horovodrun already passes `-mca btl ...`: passing btl

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from hvdtrain.gns import NoiseScale
-from hvdtrain.goodput import StepTimeModel
+from hvdtrain.adaptive.gns import NoiseScale
+from hvdtrain.adaptive.goodput import StepTimeModel
 from hvdtrain.world import World
 
 

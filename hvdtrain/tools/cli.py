@@ -13,22 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain import config as config_mod
-from hvdtrain import launch
 from hvdtrain.config import TASKS, Config
 from hvdtrain.errors import ConfigError, HvdtrainError
+from hvdtrain.tools import launch
 
 EXIT_USAGE = 2
 
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("hvdtrain.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
-    "report": ("hvdtrain.report", "PNG plots and a summary of a training run's metrics log"),
+    "plan": ("hvdtrain.tools.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
+    "report": ("hvdtrain.tools.report", "PNG plots and a summary of a training run's metrics log"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "train": ("hvdtrain.bench_train", "the same training run with hvdtrain, hand-written Horovod and DDP"),
-    "memory": ("hvdtrain.membench", "step time and memory per precision / activation-checkpointing variant"),
-    "adaptive": ("hvdtrain.bench_adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
+    "train": ("hvdtrain.bench.train", "the same training run with hvdtrain, hand-written Horovod and DDP"),
+    "memory": ("hvdtrain.bench.memory", "step time and memory per precision / activation-checkpointing variant"),
+    "adaptive": ("hvdtrain.bench.adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
 }
 
 
@@ -79,9 +79,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def bench(args: argparse.Namespace) -> int:
     if args.bench in BENCHES:
         return _module(BENCHES[args.bench][0]).run(args)
-    from hvdtrain import bench as bench_mod
-    from hvdtrain.bench import MODES, parse_size
-    from hvdtrain.compression import CODECS
+    from hvdtrain.bench import allreduce as bench_mod
+    from hvdtrain.bench.allreduce import MODES, parse_size
+    from hvdtrain.comm.compression import CODECS
     from hvdtrain.world import World
 
     modes = [m for m in args.modes.split(",") if m]
@@ -117,7 +117,7 @@ def train(cfg: Config) -> int:
     from hvdtrain.tasks import build_task, check_inputs
 
     check_inputs(cfg)
-    from hvdtrain.trainer import fit
+    from hvdtrain.loop import fit
     from hvdtrain.world import World
 
     world = World.init()

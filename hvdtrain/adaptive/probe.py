@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from hvdtrain.adaptive.goodput import largest_divisor
 from hvdtrain.config import AdaptiveConfig
 from hvdtrain.errors import TrainingStopped
-from hvdtrain.goodput import largest_divisor
 from hvdtrain.world import World
 
 _OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory")
@@ -137,7 +137,7 @@ class Prober:
 
     def _batch(self, m: int) -> Any:
         n = len(self.dataset)  # type: ignore[arg-type]
-        from hvdtrain.trainer import _to_device
+        from hvdtrain.loop import _to_device
 
         return _to_device(default_collate([self.dataset[i % n] for i in range(m)]), self.device)
 

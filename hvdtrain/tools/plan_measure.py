@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hvdtrain.memprof import proc_status, reset_peak_rss
+from hvdtrain.profile.memory import proc_status, reset_peak_rss
 from hvdtrain.world import World
 
 
@@ -30,12 +30,12 @@ def _unsharded_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps; bytes per category on the largest rank, peak RSS. All ranks call."""
+    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.comm.zero import ZeroReducer
     from hvdtrain.data import ShardedBatchSampler, train_loader
+    from hvdtrain.loop import _to_device
     from hvdtrain.optim import build_optimizer
-    from hvdtrain.reducer import GradReducer
     from hvdtrain.tasks import build_task
-    from hvdtrain.trainer import _to_device
-    from hvdtrain.zero import ZeroReducer
 
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=optimizer_name))
     task = build_task(cfg)

@@ -1,0 +1,1 @@
+"""Benchmarks (`hvdtrain bench ...`): one JSON line per result, compared side by side in one run."""

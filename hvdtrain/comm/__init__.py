@@ -1,0 +1,1 @@
+"""How gradients travel: the bucketed reducer, the codecs (fp16, bf16), ZeRO sharding over Horovod."""

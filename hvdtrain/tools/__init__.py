@@ -1,0 +1,1 @@
+"""Command-line tools: `hvdtrain` (train, print-config, launch, plan, report, bench)."""
