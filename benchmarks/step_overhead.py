@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from hvdtrain import config as config_mod
-from hvdtrain.bench.loops import _batches, _horovod_step, _horovod_world, _hvdtrain_step, _plain_step
+from hvdtrain.bench.baseline import horovod_optimizer, horovod_step, plain_step
+from hvdtrain.bench.loops import batches, hvdtrain_step, hvdtrain_world
 from hvdtrain.comm.reducer import GradReducer
 from hvdtrain.metrics import MetricSums
 from hvdtrain.tasks import build_task
@@ -57,11 +58,11 @@ def _interleaved(steps: dict[str, Any], batches: list[Any], rounds: int, block: 
 def measure(world: World, task_name: str, rounds: int, block: int) -> dict[str, Any]:
     cfg = config_mod.build(None, [], task=task_name)
     steps, tasks = {}, []
-    for way, make in (("hvdtrain", _hvdtrain_step), ("horovod", _horovod_step)):
+    for way, make in (("hvdtrain", hvdtrain_step), ("horovod", horovod_step)):
         tasks.append(build_task(cfg))  # a model and optimizer of its own per way, same initial weights
         tasks[-1].model.to(world.device)
         steps[way] = make(world, tasks[-1], cfg)
-    per = _interleaved(steps, _batches(world, tasks[0], cfg, 50), rounds, block)
+    per = _interleaved(steps, batches(world, tasks[0], cfg, 50), rounds, block)
     ratios = [a / b for a, b in zip(per["hvdtrain"], per["horovod"], strict=True)]
     return {"kind": "step-overhead", "task": task_name, "np": world.size, "rounds": rounds, "block": block,
             "hvdtrain_step_s": statistics.median(per["hvdtrain"]),
@@ -76,18 +77,15 @@ def _tiny_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, to
 
 
 def _tiny_step(world: World, way: str) -> Any:
-    import horovod.torch as hvd
-
-    from hvdtrain.loop import train_step
+    from hvdtrain.step import train_step
 
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if way == "torch":
-        return _plain_step(model, optimizer, _tiny_loss)
+        return plain_step(model, optimizer, _tiny_loss)
     if way == "horovod":
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        return _plain_step(model, optimizer, _tiny_loss)
+        return plain_step(model, horovod_optimizer(optimizer, model), _tiny_loss)
     reducer, sums = GradReducer(world, model.named_parameters()), MetricSums()
     return lambda batch: train_step(model, optimizer, reducer, [batch], _tiny_loss, sums, 0.0, world.device)
 
@@ -108,7 +106,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--block", type=int, default=20)
     args = p.parse_args()
-    world, _, controller = _horovod_world("hvdtrain")  # World.init with the toolkit's defaults, one thread
+    world, _, controller = hvdtrain_world()  # World.init with the toolkit's defaults, one thread
     for name in args.tasks.split(","):
         record = measure_fixed(world, args.rounds, args.block) if name == "fixed" else \
             measure(world, name, args.rounds, args.block)  # build_task seeds: same weights per way

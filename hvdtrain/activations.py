@@ -31,8 +31,8 @@ class Checkpointed(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        self._norms = [m for m in module.modules()
-                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self._norms: list[nn.Module] = [m for m in module.modules()
+                                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
 

@@ -28,7 +28,7 @@ _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
 @functools.cache  # the memory profiler trims every step
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 - present only in glibc
@@ -45,7 +45,7 @@ def why_not_pinned(env: Mapping[str, str]) -> str | None:
         return "glibc's thresholds are set in the environment"
     if any(name in env.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
         return "another allocator is preloaded"
-    if _glibc() is None:
+    if glibc() is None:
         return "the C library is not glibc"
     return None
 
@@ -54,7 +54,7 @@ def pin_malloc(env: Mapping[str, str]) -> bool:
     """Pin glibc's thresholds unless `why_not_pinned(env)`; True if they were set."""
     if why_not_pinned(env) is not None:
         return False
-    libc = _glibc()
+    libc = glibc()
     assert libc is not None
     # Older glibc caps the mmap threshold at 32 MiB (mallopt returns 0 above it).
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) or libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
@@ -64,6 +64,6 @@ def pin_malloc(env: Mapping[str, str]) -> bool:
 def malloc_trim() -> None:
     """Give freed heap memory back to the kernel, so the resident set shows only live memory
     (before a peak-RSS measurement). A no-op where libc is not glibc."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)

@@ -10,50 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from torch import nn
 
-from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.errors import CheckpointError
 from hvdtrain.world import World
 
 if TYPE_CHECKING:  # types only: the training pieces this module restores, not what it imports to run
-    from hvdtrain.adaptive.controller import AdaptiveController
-    from hvdtrain.comm.reducer import GradReducer
-    from hvdtrain.data import ShardedBatchSampler
-    from hvdtrain.precision import Precision
+    pass
 
 FORMAT = 1
 STATE_FILE = "state.pt"
 LATEST = "latest"
 # Config sections that change what the saved tensors mean; a difference there is refused.
 _MUST_MATCH = ("task", "model")
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    random.setstate(state["python"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -115,15 +89,14 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any], config: dict[str, Any],
              rank_state: dict[str, Any] | None = None) -> Path:
-        """Write `state` (rank 0's, replicated) plus every rank's RNG and `rank_state` as folder
-        step_<step>. All ranks call."""
+        """Write `state` (rank 0's: the shared parts) and every rank's `rank_state` (per-rank parts)
+        as folder step_<step>. All ranks call."""
         assert self.dir is not None
-        mine = {"rng": rng_state(), **(rank_state or {})}
-        ranks = self.world.allgather_object(mine, name="hvdtrain.ckpt.ranks")
+        ranks = self.world.allgather_object(rank_state or {}, name="hvdtrain.ckpt.ranks")
         final, error = self.dir / f"step_{step:08d}", ""
         if self.world.is_root:
             try:
-                self._write(final, {**state, "format": FORMAT, "ranks": ranks, "config": config})
+                self._write(final, {**state, "step": step, "format": FORMAT, "ranks": ranks, "config": config})
             except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
                 error = f"could not write checkpoint {final}: {exc}"
         # Agreed so a full disk on rank 0 stops all ranks together rather than leaving them waiting.
@@ -133,6 +106,7 @@ class Checkpointer:
         return final
 
     def _write(self, final: Path, payload: dict[str, Any]) -> None:
+        assert self.dir is not None
         self.dir.mkdir(parents=True, exist_ok=True)
         # Only rank 0 of one job writes here, so any temp folder is a leftover of a killed writer.
         for stale in self.dir.glob(".tmp-step_*"):
@@ -153,6 +127,7 @@ class Checkpointer:
         self._prune()
 
     def _prune(self) -> None:
+        assert self.dir is not None
         done = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
         for old in done[: -self.cfg.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -164,7 +139,8 @@ class Checkpointer:
         return self.dir / (self.dir / LATEST).read_text().strip()
 
     def restore(self, config: dict[str, Any]) -> dict[str, Any] | None:
-        """Rank 0 loads the checkpoint `checkpoint.resume` names; every rank gets it. All ranks call."""
+        """Rank 0 loads the checkpoint `checkpoint.resume` names; every rank gets it (its "ranks" hold
+        every rank's per-rank state, its "path" where it came from). All ranks call."""
         result: tuple[str, Any] = ("none", None)
         if self.world.is_root and self.cfg.resume:
             try:
@@ -176,14 +152,6 @@ class Checkpointer:
         status, payload = self.world.broadcast_object(result, name="hvdtrain.ckpt.restore")
         if status == "error":
             raise CheckpointError(payload)
-        if payload is not None:
-            # Per-rank state only carries over to the same rank of a same-size world; otherwise
-            # each rank keeps its fresh seed-derived RNG and empty per-rank state.
-            ranks = payload["ranks"]  # kept whole: ZeRO re-shards from every rank's optimizer shard
-            same = len(ranks) == self.world.size
-            payload["rank"] = ranks[self.world.rank] if same else {}
-            if same:
-                set_rng_state(payload["rank"]["rng"])
         return payload
 
     def _load_on_root(self, config: dict[str, Any]) -> tuple[str, Any]:
@@ -201,32 +169,3 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} was made with a different config: {', '.join(diff)}")
         state["path"] = str(path)
         return ("ok", state)
-
-
-def restore_or_broadcast(world: World, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer,
-                         sampler: ShardedBatchSampler, ckpt: Checkpointer, config: dict[str, Any],
-                         precision: Precision, ctl: AdaptiveController | None = None) -> tuple[int, str | None]:
-    """The latest checkpoint into every piece of training state (the same one on every rank), or,
-    with none, rank 0's weights broadcast to all; (step, path). All ranks must call."""
-    state = ckpt.restore(config)
-    if state is None:
-        # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
-        # every rank, and Horovod's broadcast_optimizer_state would run a zero-gradient step that
-        # applies weight decay and advances Adam's counter (horovod#2805).
-        world.broadcast_parameters(model.state_dict())
-        return 0, None
-    if "zero_param_groups" in state["optimizer"] and not isinstance(reducer, ZeroReducer):
-        # Same verdict on every rank: restore() hands all ranks the same checkpoint.
-        raise CheckpointError(f"{state['path']} holds ZeRO-sharded optimizer state; resume it with "
-                              "memory.zero_stage=1 or 2 (it re-shards to any world size)")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    sampler.load_state_dict(state["sampler"])
-    precision.load_state_dict(state.get("precision", {}))
-    if ctl is not None:
-        ctl.load_state_dict(state["adaptive"])
-    if isinstance(reducer, ZeroReducer):  # this rank's shard, or re-sharded from every saved rank's
-        reducer.load_shards([r.get("reducer", {}) for r in state["ranks"]])
-    elif "reducer" in state["rank"]:
-        reducer.load_state_dict(state["rank"]["reducer"])
-    return state["step"], state["path"]

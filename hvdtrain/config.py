@@ -252,7 +252,8 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     for key, value in raw.items():
         path = f"{prefix}.{key}" if prefix else key
         typ = hints[key]
-        kwargs[key] = from_dict(typ, value, path) if dataclasses.is_dataclass(typ) else _coerce(path, value, typ)
+        nested = isinstance(typ, type) and dataclasses.is_dataclass(typ)
+        kwargs[key] = from_dict(typ, value, path) if nested else _coerce(path, value, typ)
     return cls(**kwargs)
 
 

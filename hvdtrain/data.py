@@ -32,7 +32,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int, world: World, micro_batch: int, accumulation: int = 1,
-                 seed: int = 0, shuffle: bool = True, keep_global_batch: bool = False) -> None:
+                 seed: int = 0, shuffle: bool = True, keep_global_batch: bool = False, variable: bool = False,
+                 trace: bool = False) -> None:
         self.num_samples = num_samples
         self.micro_batch = micro_batch
         self.seed = seed
@@ -41,13 +42,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # Elastic runs adopt the global batch of the state they load; fixed runs refuse a mismatch.
         self.keep_global_batch = keep_global_batch
         self.epoch = 0
-        # Adaptive batch sizing changes m and k between steps: a resume position then need not be a
-        # multiple of the current global batch, and an epoch ends when less than one batch is left.
-        self.variable = False
+        # Adaptive batch sizing changes m and k between steps (`reshape`): a resume position then need
+        # not be a multiple of the current global batch, and an epoch ends when less than one batch is left.
+        self.variable = variable
         # Samples of this epoch already consumed, counted globally (all ranks), so the position
         # means the same thing whatever the world size on resume.
         self.consumed = 0
-        self.trace = False  # record the indices handed out, for `take_drawn`
+        self.trace = trace  # record the indices handed out, for `take_drawn` (elastic tests)
         self._drawn: list[list[int]] = []
         self._perm: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (seed, epoch, n) -> permutation
         self.resize(world)
@@ -65,6 +66,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.world = world
         most, least = -(-self.global_batch // world.size), self.global_batch // world.size
         self.accumulation = min(-(-most // self.micro_batch), least)
+
+    def reshape(self, micro_batch: int, accumulation: int) -> None:
+        """Micro-batch m and accumulation k from the next step on (B = ranks x m x k); only a sampler
+        made with `variable=True` (adaptive batch sizing) changes shape."""
+        assert self.variable, "a fixed-batch sampler keeps its shape"
+        self.micro_batch, self.accumulation = micro_batch, accumulation
+        self.global_batch = self.world.size * micro_batch * accumulation
 
     @property
     def steps_per_epoch(self) -> int:

@@ -12,6 +12,11 @@ How a change of world plays out (Horovod's `hvd.elastic.run` drives it):
   then a new `World` and gradient reducer are made for the new size (bucket names and codecs depend
   on it) and the loop resumes at the committed step.
 
+What a commit holds is the run's registry of resumable state (hvdtrain/state.py), the same list a
+checkpoint saves, without its per-rank parts (codec residuals, random-number state: a rank's share
+of the data changes with the world). Parts made anew in each world (the precision's loss scale, the
+batch policy) take their committed state when the next world adds them.
+
 Batch policy: the global batch B of the first world is kept for the whole run (with adaptive batch
 sizing, B is the controller's: it is kept where the new size divides it, else the nearest B that
 one does, and the lr follows B; the memory probe runs again in the new world). Each step still
@@ -27,40 +32,37 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from horovod.common.elastic import State
 from torch import nn
 from torch.utils.data import Dataset
 
+from hvdtrain.common import num_samples
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError
 from hvdtrain.optim import build_optimizer
-from hvdtrain.tasks import LossFn, classification_loss
-from hvdtrain.world import World, _import_horovod
+from hvdtrain.state import OptimizerState, Registry, Resumable, Session
+from hvdtrain.step import LossFn
+from hvdtrain.world import World, elastic_state_base, live_rank, run_elastic
+
+# fit_once's signature (hvdtrain/loop.py), passed in so that this module never imports the loop.
+RunOnce = Callable[..., Any]
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
+class ElasticState(elastic_state_base()):  # type: ignore[misc]
+    """What a commit saves and a reset restores and broadcasts: the registry's shared parts, the
+    step, and whether the first world has started (restored or broadcast its start state)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class ElasticState(State):
-    """What a commit saves and a reset restores and broadcasts: model, optimizer, sampler, the step,
-    and `extra` objects with state_dict()/load_state_dict() (e.g. a batch-size controller)."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ShardedBatchSampler,
-                 extra: dict[str, Stateful] | None = None) -> None:
-        hvd = _import_horovod()
+    def __init__(self, world: World, model: nn.Module, registry: Registry) -> None:
+        self.world, self.model, self.registry = world, model, registry
+        self.persistent = registry.names()  # parts made once for the whole run; the rest are each world's
         # The host-update check broadcasts a tuple from rank 0; named like every other collective.
-        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="hvdtrain.elastic.hosts"),
-                         get_rank=hvd.rank)
-        self.model, self.optimizer, self.sampler = model, optimizer, sampler
-        self.extra = dict(extra or {})
+        super().__init__(bcast_object=lambda obj: self.world.broadcast_object(obj, name="hvdtrain.elastic.hosts"),
+                         get_rank=live_rank)
         self.step = 0
         self.started = False  # False until the first world has restored or broadcast the start state
         self.resets = 0
@@ -68,18 +70,16 @@ class ElasticState(State):
         self.save()
 
     def _small(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "step": self.step,
-                "started": self.started, "resets": self.resets,
-                "extra": {k: v.state_dict() for k, v in self.extra.items()}}
+        parts = {k: v for k, v in self.registry.state_dict().items() if k != "model"}
+        return {"parts": parts, "step": self.step, "started": self.started, "resets": self.resets}
 
     def _load_small(self, small: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(small["optimizer"])
-        self.sampler.load_state_dict(small["sampler"])
+        # Parts of the world that ended are not registered now: their states wait for the next world's.
+        self.registry.load_state_dict(small["parts"], "the elastic commit", carry_rest=True, skip={"model"})
         self.step, self.started, self.resets = small["step"], small["started"], small["resets"]
-        for key, value in small["extra"].items():
-            self.extra[key].load_state_dict(value)
         # A failed step may have left partial gradients; the next backward must start from zero.
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            p.grad = None
 
     def save(self) -> None:
         self._saved = copy.deepcopy({"model": self.model.state_dict(), **self._small()})
@@ -90,58 +90,39 @@ class ElasticState(State):
         self.model.load_state_dict(saved.pop("model"))
         self._load_small(saved)
 
+    def carry_world_parts(self, names: set[str]) -> None:
+        """The world ended: its own parts (`names`) leave the registry, and the next world's take
+        their committed state (after a failure the steps since the commit are replayed; a host
+        change is announced right after a commit, so the two agree)."""
+        self.registry.remove(names)
+        self.registry.carry({k: v for k, v in copy.deepcopy(self._saved["parts"]).items() if k in names})
+
     def sync(self) -> None:
         """The most advanced rank's state on every rank (new workers included). All ranks must call."""
-        hvd = _import_horovod()
         # Horovod keeps surviving hosts first, so this is rank 0; but a new worker that got rank 0
         # must not overwrite everyone with its fresh state (Horovod's own sync assumes it never does).
-        marks = hvd.allgather_object((self.started, self.step), name="hvdtrain.elastic.marks")
+        marks = self.world.allgather_object((self.started, self.step), name="hvdtrain.elastic.marks")
         root = max(range(len(marks)), key=lambda r: (marks[r], -r))
         # Tensors in place by name; the rest pickled. Not broadcast_optimizer_state: on a new worker's
         # empty optimizer it would run a zero-gradient step (weight decay, Adam's counter; horovod#2805).
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=root)
-        self._load_small(hvd.broadcast_object(self._small(), root_rank=root, name="hvdtrain.elastic.sync"))
+        self.world.broadcast_parameters(self.model.state_dict(), root=root)
+        self._load_small(self.world.broadcast_object(self._small(), name="hvdtrain.elastic.sync", root=root))
         self.save()
 
     def reset(self) -> None:
         self.resets += 1
 
 
-class AdaptiveCarry:
-    """Carries the batch-size controller's state from one world to the next: each world builds its
-    own controller (its world, reducer and probe are that world's), which `attach` hands this state."""
+class ElasticSession(Session):
+    """One world of an elastic run: the loop's session, committing every `elastic.commit_every` steps."""
 
-    def __init__(self) -> None:
-        self.ctl: Any = None  # this world's controller, once attached
-        self.state: dict[str, Any] | None = None  # committed or synced, for the next world's controller
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return self.ctl.state_dict() if self.ctl is not None else self.state
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        # Restores and syncs happen between worlds: the attached controller is the old world's, and
-        # its norm hooks would otherwise stay on the parameters.
-        if self.ctl is not None:
-            self.ctl.meter.remove()
-        self.ctl, self.state = None, state
-
-    def attach(self, ctl: Any) -> None:
-        if self.state is not None:
-            ctl.load_state_dict(self.state, new_world=True)
-        self.ctl, self.state = ctl, None
-
-
-class Session:
-    """The hooks `_fit` calls in one world of an elastic run."""
-
-    def __init__(self, state: ElasticState, world: World, cfg: Config) -> None:
-        self.state, self.world, self.every = state, world, cfg.elastic.commit_every
-        self.sampler = state.sampler
-        self.adaptive: AdaptiveCarry | None = state.extra.get("adaptive")  # type: ignore[assignment]
+    def __init__(self, state: ElasticState, world: World, sampler: ShardedBatchSampler, cfg: Config) -> None:
+        super().__init__(state.registry)
+        self.state, self.world, self.sampler, self.every = state, world, sampler, cfg.elastic.commit_every
         self.trace = Path(cfg.log.dir) / "samples.jsonl" if cfg.elastic.trace_samples and cfg.log.dir else None
-        state.sampler.take_drawn()  # micro-batches of a step that failed before the reset
+        sampler.take_drawn()  # micro-batches of a step that failed before the reset
 
-    def begin(self, restore: Any) -> tuple[int, str | None]:
+    def begin(self, restore: Callable[[], tuple[int, str | None]]) -> tuple[int, str | None]:
         """First world: restore a checkpoint (or broadcast rank 0's weights) and commit that. Later
         worlds: continue from the commit that `hvd.elastic.run` just synced. `started` comes from
         rank 0, so all ranks take the same branch."""
@@ -161,10 +142,13 @@ class Session:
         if step % self.every == 0 and not last:
             self.state.commit()
 
+    def end(self) -> None:
+        self.state.carry_world_parts(self.registry.names() - self.state.persistent)
+
     def _write_trace(self, step: int) -> None:
         drawn = [i for micro in self.sampler.take_drawn() for i in micro]
         ranks = self.world.allgather_object(drawn, name="hvdtrain.elastic.trace")
-        if self.world.is_root:
+        if self.world.is_root and self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
             line = {"step": step, "world_size": self.world.size, "resets": self.state.resets, "ranks": ranks}
             with open(self.trace, "a") as f:
@@ -179,27 +163,26 @@ def check_launcher(world: World) -> None:
 
 
 def fit_elastic(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
-                cfg: Config, eval_set: Dataset | None = None, loss_fn: LossFn = classification_loss,
-                extra: dict[str, Stateful] | None = None) -> Any:
-    """`fit` that survives workers leaving and joining. All ranks must call; `extra` objects are
-    committed, restored and broadcast with the model."""
-    from hvdtrain.loop import fit_once
-
+                cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, run_once: RunOnce,
+                extra: dict[str, Resumable] | None = None) -> Any:
+    """`fit` that survives workers leaving and joining: `run_once` (the loop's fit_once) runs in each
+    world. All ranks must call; `extra` objects are committed, restored and broadcast with the model."""
     check_launcher(world)
     tc = cfg.train
     model.to(world.device)
     optimizer = optimizer or build_optimizer(model, cfg.optim)
-    sampler = ShardedBatchSampler(len(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle,
-                                  keep_global_batch=True)
-    sampler.trace = cfg.elastic.trace_samples
-    if cfg.adaptive.enabled:
-        extra = {**(extra or {}), "adaptive": AdaptiveCarry()}
-    state = ElasticState(model, optimizer, sampler, extra)
+    sampler = ShardedBatchSampler(num_samples(train_set), world, tc.batch_size, tc.accumulation, cfg.seed, tc.shuffle,
+                                  keep_global_batch=True, variable=cfg.adaptive.enabled,
+                                  trace=cfg.elastic.trace_samples)
+    registry = Registry()
+    registry.add_all({"model": model, "optimizer": OptimizerState(optimizer), "sampler": sampler, **(extra or {})})
+    state = ElasticState(world, model, registry)
 
     def train(state: ElasticState) -> Any:
         # A fresh World each time: after a reset, rank and size are those of the new world.
-        now = World.init()
-        state.sampler.resize(now)
-        return fit_once(now, model, optimizer, train_set, cfg, eval_set, loss_fn, elastic=Session(state, now, cfg))
+        now = state.world = World.init()
+        sampler.resize(now)
+        return run_once(now, model, optimizer, train_set, cfg, eval_set, loss_fn, sampler,
+                        ElasticSession(state, now, sampler, cfg))
 
-    return _import_horovod().elastic.run(train)(state)
+    return run_elastic(train, state)

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.comm.reducer import GradReducer
 from hvdtrain.config import MemoryConfig
 from hvdtrain.errors import ConfigError
-from hvdtrain.profile.memory import nvtx_range
+from hvdtrain.profile.nvtx import nvtx_range
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,7 +95,7 @@ class Precision:
             loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], finite: bool, clip: float,
-             reducer: GradReducer | None = None) -> None:
+             reducer: Any = None) -> None:
         """After `reducer.synchronize()` returned `finite` (the same on every rank): unscale, clip,
         step, update the scale. A non-finite step leaves weights and optimizer state untouched."""
         with nvtx_range("optimizer step"):

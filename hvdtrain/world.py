@@ -1,14 +1,16 @@
 """The parallel world: made once by `World.init()` and passed to everything that needs rank or size.
 
-All collectives the toolkit issues go through the methods here, and every one carries an explicit
-name: Horovod matches unnamed collectives by a per-process counter, so one extra or missing call on
-a single rank silently pairs the wrong tensors or deadlocks.
+This is the one module that imports Horovod. Every collective the toolkit issues, blocking or not,
+goes through a method here, and every one carries an explicit name: Horovod matches unnamed
+collectives by a per-process counter, so one extra or missing call on a single rank silently pairs
+the wrong tensors or deadlocks. Asynchronous methods return a handle that `wait` completes.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +19,10 @@ import torch
 from hvdtrain.allocator import pin_malloc
 from hvdtrain.errors import EnvironmentProblem
 
-_OPS = ("sum", "average", "max", "min")
+OPS = ("sum", "average", "max", "min")
 
 
-def _import_horovod() -> Any:
+def _horovod() -> Any:
     try:
         import horovod.torch as hvd
     except ImportError as exc:
@@ -31,7 +33,7 @@ def _import_horovod() -> Any:
     return hvd
 
 
-def _mpi_defaults(env: Any) -> None:
+def mpi_defaults(env: MutableMapping[str, str]) -> None:
     """Open MPI settings measured faster here, set only where the user has not set them.
 
     Open MPI busy-polls while it waits, and Horovod's background thread waits in MPI every cycle
@@ -63,8 +65,8 @@ class World:
         Without `OMP_NUM_THREADS` or `threads`, each rank gets cores / local ranks intra-op threads:
         PyTorch's default (all cores per rank) oversubscribes the node and slows every rank.
         """
-        hvd = _import_horovod()
-        _mpi_defaults(os.environ)
+        hvd = _horovod()
+        mpi_defaults(os.environ)
         hvd.init()
         local_rank, local_size = hvd.local_rank(), hvd.local_size()
         if torch.cuda.is_available():
@@ -79,9 +81,19 @@ class World:
             torch.set_num_threads(threads)
         return cls(hvd.rank(), hvd.size(), local_rank, local_size, device)
 
+    @staticmethod
+    def shutdown() -> None:
+        """Shut Horovod down (it may be initialised again afterwards, under Gloo)."""
+        _horovod().shutdown()
+
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def controller(self) -> str:
+        """'gloo' or 'mpi': which of Horovod's controllers this world runs on."""
+        return "gloo" if _horovod().gloo_enabled() else "mpi"
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on rank 0 only; other ranks stay quiet."""
@@ -96,46 +108,94 @@ class World:
 
     def allreduce(self, tensor: torch.Tensor, name: str, op: str = "sum") -> torch.Tensor:
         """Reduce a tensor across ranks (never compressed). All ranks must call."""
-        return _import_horovod().allreduce(tensor, name=name, op=_hvd_op(op))
+        return _horovod().allreduce(tensor, name=name, op=_op(op))
 
     def allreduce_async(self, tensor: torch.Tensor, name: str, op: str = "sum") -> Any:
         """Start a reduction (never compressed); `wait(handle)` returns the result. Horovod negotiates
         it in the same cycle as the collectives already in flight, and fuses it into their operation
         when dtype and op match (else it is a round of its own). All ranks must call."""
-        return _import_horovod().allreduce_async(tensor, name=name, op=_hvd_op(op))
+        return _horovod().allreduce_async(tensor, name=name, op=_op(op))
 
-    def wait(self, handle: Any) -> torch.Tensor:
-        return _import_horovod().synchronize(handle)
+    def allreduce_async_(self, tensor: torch.Tensor, name: str, op: str = "average") -> Any:
+        """Start a reduction that writes the result into `tensor` itself (no output allocation: a
+        fresh 64 MiB tensor costs ~150 ms of page faults on CPU). All ranks must call."""
+        return _horovod().allreduce_async_(tensor, name=name, op=_op(op))
+
+    def reducescatter(self, tensor: torch.Tensor, name: str, op: str = "average") -> torch.Tensor:
+        """This rank's slice (along dim 0) of the reduction. All ranks must call."""
+        return _horovod().reducescatter(tensor, name=name, op=_op(op))
+
+    def reducescatter_async(self, tensor: torch.Tensor, name: str, op: str = "average") -> Any:
+        """Start `reducescatter`; `wait(handle)` returns this rank's slice. All ranks must call."""
+        return _horovod().reducescatter_async(tensor, name=name, op=_op(op))
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's tensor concatenated along dim 0, in rank order. All ranks must call."""
+        return _horovod().allgather(tensor, name=name)
+
+    def allgather_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """Start `allgather`; `wait(handle)` returns the concatenation. All ranks must call."""
+        return _horovod().allgather_async(tensor, name=name)
+
+    def alltoall_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """Start an alltoall of equal chunks along dim 0 (chunk j goes to rank j); `wait(handle)`
+        returns (received, splits). All ranks must call."""
+        return _horovod().alltoall_async(tensor, name=name)
+
+    def wait(self, handle: Any) -> Any:
+        """Complete an asynchronous collective and return its result."""
+        return _horovod().synchronize(handle)
 
     def broadcast(self, tensor: torch.Tensor, name: str, root: int = 0) -> torch.Tensor:
         """Rank `root`'s tensor on every rank (one collective; broadcast_object takes two and a
         pickle). All ranks must call with the same shape and dtype."""
-        return _import_horovod().broadcast(tensor, root_rank=root, name=name)
+        return _horovod().broadcast(tensor, root_rank=root, name=name)
 
     def broadcast_async(self, tensor: torch.Tensor, name: str, root: int = 0) -> Any:
         """Start `broadcast`; `wait(handle)` returns rank `root`'s tensor. All ranks must call, and
         wait before starting another of the same name."""
-        return _import_horovod().broadcast_async(tensor, root_rank=root, name=name)
+        return _horovod().broadcast_async(tensor, root_rank=root, name=name)
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """Rank `root`'s object on every rank. All ranks must call."""
-        return _import_horovod().broadcast_object(obj, root_rank=root, name=name)
+        return _horovod().broadcast_object(obj, root_rank=root, name=name)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's object, in rank order, on every rank. All ranks must call."""
-        return _import_horovod().allgather_object(obj, name=name)
+        return _horovod().allgather_object(obj, name=name)
 
-    def broadcast_parameters(self, params: Any, root: int = 0) -> None:
+    def broadcast_parameters(self, params: Mapping[str, torch.Tensor], root: int = 0) -> None:
         """Overwrite tensors in place with rank `root`'s values. All ranks must call."""
-        _import_horovod().broadcast_parameters(params, root_rank=root)
+        _horovod().broadcast_parameters(params, root_rank=root)
 
     def barrier(self) -> None:
         """Wait until every rank arrives. All ranks must call."""
         self.allreduce(torch.zeros(1), name="hvdtrain.barrier")
 
 
-def _hvd_op(op: str) -> Any:
-    if op not in _OPS:
-        raise ValueError(f"op={op!r}; choose one of {_OPS}")
-    hvd = _import_horovod()
+def _op(op: str) -> Any:
+    if op not in OPS:
+        raise ValueError(f"op={op!r}; choose one of {OPS}")
+    hvd = _horovod()
     return {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}[op]
+
+
+# Horovod's elastic runtime (horovodrun --min-np/--max-np), for hvdtrain/elastic.py.
+
+def elastic_state_base() -> type:
+    """Horovod's elastic State class: `run_elastic` drives objects derived from it (commit, restore,
+    sync, host updates)."""
+    from horovod.common.elastic import State
+
+    return State
+
+
+def live_rank() -> int:
+    """This process's rank in the current world (it changes when an elastic world re-forms)."""
+    return int(_horovod().rank())
+
+
+def run_elastic(train: Callable[[Any], Any], state: Any) -> Any:
+    """Run `train(state)` under Horovod's elastic driver: on a failed collective or a host change,
+    restore or sync `state`, re-form the world and call `train` again."""
+    return _horovod().elastic.run(train)(state)

@@ -125,7 +125,7 @@ def worker(out_path):
             g = torch.Generator(device="cpu").manual_seed(world.rank)
             bucket = torch.randn(4 * MiB, generator=g).to(world.device)
             exact = hvd.allreduce(bucket, op=hvd.Average, name="gpu_check.fp32")
-            codec = make_codec("fp16", world.size)
+            codec = make_codec("fp16", world)
             pending = codec.launch(bucket.clone(), name="gpu_check.fp16")
             codec.advance(pending)
             got = codec.finish(pending)

@@ -1,21 +1,23 @@
 """Adaptive batch sizing: one controller owns micro-batch m, accumulation k, the LR factor and the
 progress τ (steps of the starting batch B0 worth of progress); global batch B = ranks·m·k.
 
-Collectives it adds, in this order and on every rank: the memory probe's (before step 1); one stats
-allreduce per optimizer step attempt (hvdtrain/stepstats.py); on decision steps (every D steps after
-warm-up, by the step counter alone) one broadcast of rank 0's decision, started there and waited on
-after the next step, which applies it (hvdtrain/decision.py). An OOM on one rank never skips a
-collective: that rank sends NaN in the buckets it has not sent (the reducer holds
-backward's last bucket until synchronize, so one is always left), every rank sees a non-finite
-average and collects the stats at once, and their OOM flag makes every rank skip the attempt and
-retry the same samples with a smaller m and a larger k (same B, same LR).
+It is the loop's batch policy (hvdtrain/policy.py) and adds hooks to each step attempt
+(hvdtrain/step.py). Collectives it adds, in this order and on every rank: the memory probe's
+(before step 1); one stats allreduce per optimizer step attempt, started beside the gradient
+buckets (hvdtrain/adaptive/stats.py); on decision steps (every D steps after warm-up, by the step
+counter alone) one broadcast of rank 0's decision, started there and waited on after the next step,
+which applies it (hvdtrain/adaptive/decision.py). An OOM on one rank never skips a collective: that
+rank sends NaN in the buckets it has not sent (the reducer holds backward's last bucket until
+synchronize, so one is always left), every rank sees a non-finite average and collects the stats at
+once, and their OOM flag makes every rank retry the same samples with a smaller m and a larger k
+(same B, same LR).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,26 +28,36 @@ from hvdtrain import optim
 from hvdtrain.adaptive import goodput
 from hvdtrain.adaptive.decision import PendingDecision
 from hvdtrain.adaptive.gns import GradNormMeter, NoiseScale
-from hvdtrain.adaptive.probe import FaultInjector, Prober, free_after_oom, is_oom, probe, shrink_after_oom
-from hvdtrain.adaptive.stats import StatsReducer, StepStats
+from hvdtrain.adaptive.probe import FaultInjector, Prober, probe, shrink_after_oom
+from hvdtrain.adaptive.stats import StepStats
+from hvdtrain.comm.reducer import GradReducer
+from hvdtrain.common import num_samples
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError
-from hvdtrain.metrics import MetricSums, TrainLog
+from hvdtrain.metrics import TrainLog
+from hvdtrain.optim import LRSchedule
+from hvdtrain.state import Resumable
+from hvdtrain.step import LossFn, Outcome, StepHooks
 from hvdtrain.world import World
 
 
-class AdaptiveController:
-    """Owns (m, k, LR factor, τ); every change goes through it. Methods that communicate say so."""
+class AdaptiveController(StepHooks):
+    """Owns (m, k, LR factor, τ); every change goes through it. Methods that communicate say so.
+    The sampler must be made with `variable=True`: the controller reshapes it between steps."""
+
+    survives_oom = True
 
     def __init__(self, world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 reducer: Any, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: Any,
-                 step_fn: Callable[..., bool]) -> None:
+                 reducer: GradReducer, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: LossFn) -> None:
         ac, tc = cfg.adaptive, cfg.train
         self.world, self.cfg, self.ac = world, cfg, ac
         self.model, self.optimizer, self.sampler, self.dataset = model, optimizer, sampler, dataset
-        self.loss_fn, self.step_fn = loss_fn, step_fn
-        samples = len(dataset)  # type: ignore[arg-type]
+        self.loss_fn, self.hooks = loss_fn, self
+        # An elastic run's controller takes B0 and B_max from any state it loads (the first world's),
+        # which always comes from another world: it reshapes the batch and probes memory again.
+        self.adopt = cfg.elastic.enabled
+        samples = num_samples(dataset)
         shape = goodput.start_shape(world.size, tc.batch_size, tc.accumulation, ac.max_batch, samples)
         self.base, self.max_batch, self.min_k, self.m, self.k = shape
         self.cap = ac.max_micro_batch or self.max_batch // world.size
@@ -54,41 +66,45 @@ class AdaptiveController:
         self.milestones = parse_milestones(cfg.optim.milestones) if ac.policy == "decay_to_batch" else ()
         self.noise = NoiseScale(ac.smoothing, self.base)
         self.times = goodput.StepTimeModel({})
-        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
         self.injector = FaultInjector(ac, world.rank)
-        self.meter.on_grad = self._maybe_inject_in_backward
-        self.proxy = StatsReducer(self, reducer)
-        reducer.adopt_hooks(self.meter._hooks)
-        reducer.held = len(reducer.buckets) - 1  # backward's last bucket: an OOM can always poison it
+        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition,
+                                   on_grad=self._maybe_inject_in_backward)
+        self.reducer = reducer
+        reducer.hold_last_bucket()  # backward's last bucket: an OOM can always poison it
+        if self.meter.use_buckets(reducer.buckets):
+            reducer.add_tap(self.meter.bucket_ready)
         self.stats = StepStats(world, self.noise, self.times)
-        if hasattr(reducer, "before_launch") and self.meter.use_buckets(reducer.buckets):
-            reducer.before_launch = self.meter.bucket_ready
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
         self.samples, self._samples_before = 0, 0  # global samples trained, after and before this step
         self.decisions: list[list[int]] = []  # [step, m, k] of every change
         self.pending = PendingDecision(world)  # rank 0's last decision, on its way to every rank
         self.probe_report: dict[str, Any] | None = None  # logged after the first step
-        self._oom_here, self.clock = False, goodput.StepClock()
-        sampler.variable = True
-        self._apply(self.m, self.k)
+        self._oom_here, self._stats_handle, self.clock = False, None, goodput.StepClock()
+        self.set_shape(self.m, self.k)
 
     @property
     def batch(self) -> int:
         return self.world.size * self.m * self.k
 
-    @property
-    def progress(self) -> float:
+    def progress(self, step: int) -> float:
+        """τ: the steps of B0 that the samples trained so far are worth (the loop's step count)."""
         return self.tau
+
+    def parts(self) -> dict[str, Resumable]:
+        return {"adaptive": self}
 
     def finish(self) -> None:
         """After the last step, on every rank: the last stats are applied and nothing is left in flight."""
         self.stats.collect()
         self.pending.values()
 
-    def _apply(self, m: int, k: int) -> None:
+    def close(self) -> None:
+        """Detach the norm meter's hooks (on every exit path of the loop)."""
+        self.meter.remove()
+
+    def set_shape(self, m: int, k: int) -> None:
         self.m, self.k = m, k
-        self.sampler.micro_batch, self.sampler.accumulation = m, k
-        self.sampler.global_batch = self.batch
+        self.sampler.reshape(m, k)
 
     # ---- data ----
 
@@ -107,7 +123,7 @@ class AdaptiveController:
 
     def run_probe(self) -> None:
         """Memory probe (before step 1, and again after an elastic reset). All ranks must call."""
-        self.proxy.inner.arm(last_micro_batch=False)  # the probe's backwards must not launch collectives
+        self.reducer.arm(last_micro_batch=False)  # the probe's backwards must not launch collectives
         prober = Prober(self.model, self.optimizer, self.dataset, self.loss_fn, self.world.device, self.injector)
         limit = self.ac.max_micro_batch or self.max_batch // self.world.size
         started = time.perf_counter()
@@ -117,15 +133,15 @@ class AdaptiveController:
         for m, seconds in result.seconds.items():
             self.times.record_probe(m, seconds)
         if self.m > self.cap or self.m < result.preferred:  # the same B, in micro-batches the probe prefers
-            self._apply(*goodput.reshape(self.batch, self.world.size, min(self.cap, result.preferred), self.min_k,
+            self.set_shape(*goodput.reshape(self.batch, self.world.size, min(self.cap, result.preferred), self.min_k,
                                          self.max_batch))
         self.probe_report = {"cap": self.cap, "preferred": result.preferred, "m": self.m, "k": self.k,
                              "seconds": round(time.perf_counter() - started, 3),
                              "step_ms": {str(m): round(1000 * t, 2) for m, t in sorted(result.seconds.items())}}
 
-    # ---- one optimizer step ----
+    # ---- one optimizer step: the lr, then the hooks of each attempt (hvdtrain/step.py) ----
 
-    def apply_lr(self, schedule: Any) -> float:
+    def set_lr(self, schedule: LRSchedule, step: int) -> float:
         """Set the lr: the user's schedule at progress τ, times the factor of the current batch."""
         phi = self.noise.phi
         rule = "linear" if self.milestones else self.ac.lr_rule  # decay_to_batch: B/B0 undoes the decays
@@ -133,37 +149,14 @@ class AdaptiveController:
         m = schedule.multiplier(self.tau) * self.lr_factor
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * m
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Any, micro_batches: list[Any],
-                   loss_fn: Any, sums: MetricSums, *args: Any, **kwargs: Any) -> bool:
-        """The trainer's step with GNS stats and the OOM backstop; retries the same samples with a
-        smaller m after an OOM on any rank. All ranks must call."""
-        while True:
-            attempt = MetricSums()
-            self.meter.begin_step(self.k)
-            self._oom_here = False
-            self.clock.attempt_begins()
-            try:
-                finite = self.step_fn(model, optimizer, self.proxy, micro_batches, loss_fn, attempt, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised
-                if not is_oom(exc):
-                    raise
-                exc = None  # the traceback holds the activations
-                self._oom_here = True
-                free_after_oom(model, self.world.device)
-                # Peers wait in the gradient allreduces: send NaN, so they complete and all skip.
-                finite = self.proxy.synchronize()
-                optimizer.zero_grad()
-            if not self.stats.oom:
-                sums.merge(attempt)
-                return finite
-            m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
-            self.ooms, self.cap = self.ooms + 1, min(self.cap, m)
-            self._apply(m, k)  # same B, so the same LR and the same samples
-            micro_batches = self._fetch()
+    def attempt_begins(self) -> None:
+        self.meter.begin_step(self.k)
+        self._oom_here = False
+        self.clock.attempt_begins()
 
-    def _micro_batch_starts(self) -> None:
+    def micro_batch_begins(self, j: int) -> None:
         self.clock.micro_batch_begins()
         self.meter.next_micro_batch()
         self.injector.check(self.m, "forward")
@@ -173,28 +166,41 @@ class AdaptiveController:
         if fired == max(1, len(self.meter.params) // 2):
             self.injector.check(self.m, "backward")
 
-    def _synchronize(self, inner: Any) -> bool:
-        """The stats allreduce (hvdtrain/stepstats.py), then the gradient buckets. All ranks call.
-        The wait itself is known only after, so the previous step's goes, with the rest of that
-        step's time (data, optimizer step, bookkeeping), which a larger batch amortises and the
-        step-time model must therefore see."""
+    def before_sync(self, reducer: Any, oom: bool) -> None:
+        """Start the stats allreduce (hvdtrain/adaptive/stats.py) beside the gradient buckets; a rank
+        that ran out of memory sends NaN in the buckets it has left. All ranks call. The wait itself
+        is known only after, so the previous step's goes, with the rest of that step's time (data,
+        optimizer step, bookkeeping), which a larger batch amortises and the step-time model must
+        therefore see."""
+        self._oom_here = oom
         compute = self.clock.sync_begins()
         # The previous attempt's stats are picked up now, not between the last bucket's launch and
         # this attempt's stats: Horovod fuses the two only if they reach it within one cycle.
         self.stats.collect()
-        if self._oom_here:
-            for p in self.model.parameters():
-                p.grad = None
-            inner.launch_rest(fill=math.nan)
+        if oom:
+            reducer.launch_rest(fill=math.nan)
         elif self.meter.flat:
-            inner.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
-        local = 0.0 if self._oom_here else self.meter.local_sum(1.0 / self.k)
+            reducer.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
+        local = 0.0 if oom else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
-        handle = self.stats.start(local, self._oom_here, compute, self.clock.sync, self.clock.rest)
-        finite = inner.synchronize()
+        self._stats_handle = self.stats.start(local, oom, compute, self.clock.sync, self.clock.rest)
+
+    def after_sync(self, reducer: Any, finite: bool) -> Outcome:
+        """Settle the stats: RETRY if any rank ran out of memory (every rank sees its flag alike)."""
         self.clock.sync_done()
-        g2 = self.meter.global_sq(inner.flats()) if finite and self.meter.settled else None
-        return self.stats.settle(handle, finite, g2, self.m, self.k)
+        g2 = self.meter.global_sq(reducer.flats()) if finite and self.meter.settled else None
+        ok = self.stats.settle(self._stats_handle, finite, g2, self.m, self.k)
+        if self.stats.oom:
+            return Outcome.RETRY
+        return Outcome.STEPPED if ok else Outcome.SKIPPED
+
+    def retry_after_oom(self) -> list[Any]:
+        """A smaller m and a larger k for the same samples (same B, so the same lr); this rank's new
+        micro-batches. Every rank calls after the same RETRY."""
+        m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
+        self.ooms, self.cap = self.ooms + 1, min(self.cap, m)
+        self.set_shape(m, k)
+        return self._fetch()
 
     # ---- after the step ----
 
@@ -216,10 +222,10 @@ class AdaptiveController:
                             gns=f"{phi:.0f}" if math.isfinite(phi) else "-")
         self.clock.step_done()
         if self.probe_report:
-            r, self.probe_report = self.probe_report, None
-            log.event(step, "probe", **r)
-            log.bar.write(f"hvdtrain: memory probe: micro-batch cap {r['cap']}, fastest per sample from "
-                          f"{r['preferred']}, starting at m={r['m']} k={r['k']} ({r['seconds']:.2f} s)")
+            p, self.probe_report = self.probe_report, None
+            log.event(step, "probe", **p)
+            log.bar.write(f"hvdtrain: memory probe: micro-batch cap {p['cap']}, fastest per sample from "
+                          f"{p['preferred']}, starting at m={p['m']} k={p['k']} ({p['seconds']:.2f} s)")
         if self.milestones:
             self._follow_decays(step, log)
             return
@@ -228,7 +234,7 @@ class AdaptiveController:
         if step >= self.ac.warmup_steps and step % self.ac.decide_every == 0:
             self._decide(step)
 
-    def due(self, every: int) -> bool:
+    def eval_due(self, step: int, every: int) -> bool:
         """For `train.eval_every` under a changing batch: True once per `every` x B0 samples, so
         evaluations keep the user's spacing in data seen whatever B is. Same on every rank."""
         period = every * self.base
@@ -270,7 +276,7 @@ class AdaptiveController:
         same on every rank; this rank's own under decay_to_batch (no collective; only logged)."""
         if (m, k) != (self.m, self.k):
             old = self.batch
-            self._apply(m, k)
+            self.set_shape(m, k)
             self.decisions.append([step, m, k])
             log.event(step, "batch", old=old, new=self.batch, m=m, k=k, gns=phi, **extra)
             log.bar.write(f"hvdtrain: step {step}: global batch {old} -> {self.batch} (m={m}, k={k}, {why})")
@@ -286,10 +292,11 @@ class AdaptiveController:
                 "noise": self.noise.state_dict(), "times": self.times.state_dict(), "base": self.base,
                 "max_batch": self.max_batch, "ranks": self.world.size}
 
-    def load_state_dict(self, state: dict[str, Any], new_world: bool = False) -> None:
-        """`new_world`: an elastic reset; B0 and B_max stay the first world's. Whenever the saved
-        world had another size (an elastic run's checkpoint, too), (m, k) are reshaped for this one
-        and the memory probe runs again (its hosts may differ)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """In an elastic run (`adopt`), B0 and B_max stay the first world's. Whenever the saved world
+        had another size (an elastic run's checkpoint, too) or the run is elastic, (m, k) are
+        reshaped for this world and the memory probe runs again (its hosts may differ)."""
+        new_world = self.adopt
         if new_world:
             self.base, self.max_batch = int(state["base"]), int(state["max_batch"])
             self.noise.rebase(self.base)
@@ -302,7 +309,7 @@ class AdaptiveController:
         self.decisions = [[int(x) for x in d] for d in state["decisions"]]
         self.noise.load_state_dict(state["noise"])
         self.times.load_state_dict(state["times"])
-        self._apply(int(state["m"]), int(state["k"]))
+        self.set_shape(int(state["m"]), int(state["k"]))
         self.stats.load_state_dict(state.get("pending_stats"))  # absent before 2026-12-05
         self.pending.load_state_dict(state.get("pending_decision"))  # absent before 2026-12-06
         if new_world or int(state.get("ranks", self.world.size)) != self.world.size:
@@ -310,4 +317,4 @@ class AdaptiveController:
             old = int(state["ranks"]) * self.m * self.k
             self.pending.drop()
             self.probed, self.cap = not self.ac.probe, self.ac.max_micro_batch or self.max_batch // self.world.size
-            self._apply(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))
+            self.set_shape(*goodput.reshape(old, self.world.size, self.m, self.min_k, self.max_batch))

@@ -15,7 +15,8 @@ noise scale φ = tr(Σ)/|G|² is taken from the averages.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,16 +101,16 @@ class NoiseScale:
             return float("inf")
         return max(trace, 0.0) / g2
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"g2": self.g2.state_dict(), "trace": self.trace.state_dict(), "local": self.local.state_dict(),
                 "updates": self.updates}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.g2.load_state_dict(state["g2"])  # type: ignore[arg-type]
-        self.trace.load_state_dict(state["trace"])  # type: ignore[arg-type]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.g2.load_state_dict(state["g2"])
+        self.trace.load_state_dict(state["trace"])
         if "local" in state:  # absent in checkpoints from before 3 December: the guard restarts empty
-            self.local.load_state_dict(state["local"])  # type: ignore[arg-type]
-        self.updates = int(state["updates"])  # type: ignore[arg-type]
+            self.local.load_state_dict(state["local"])
+        self.updates = int(state["updates"])
 
 
 def _sum_sq(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -131,14 +132,18 @@ class GradNormMeter:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 precondition: bool) -> None:
+                 precondition: bool, on_grad: Callable[[int], None] | None = None) -> None:
         seen: set[int] = set()
-        self.params = [p for p in params if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self.params: list[nn.Parameter] = []
+        for p in params:  # trainable, tied weights once
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
         self.optimizer = optimizer
         self.precondition = precondition and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         self.scale: dict[int, torch.Tensor] = {}
         self.active = False
-        self.on_grad = None  # testing: called with the number of hooks fired in this micro-batch
+        self.on_grad = on_grad  # fault injection: called with the number of hooks fired in this micro-batch
         self._fired = 0
         self._parts: list[torch.Tensor] = []  # per-tensor norms of the running micro-batch
         self._segment: torch.Tensor | None = None  # the preconditioner's element -> tensor index
@@ -210,7 +215,7 @@ class GradNormMeter:
 
         `micro_batches` == 1 with buckets attached: the step is measured on the buckets."""
         if self.precondition and (not self.scale or self._steps >= self._refresh_at):
-            self.scale = self._preconditioner()
+            self.scale = self.preconditioner()
             self._bucket_scale = self._per_bucket(self.scale)
             self._refresh_at = self._steps + min(REFRESH_MAX, 1 + self._steps // 20)
         self.flat = self.buckets is not None and micro_batches == 1
@@ -242,10 +247,10 @@ class GradNormMeter:
         if not grads:
             return 0.0
         if self.scale:
-            grads = torch._foreach_mul(grads, [self.scale[id(p)] for p in self.params if p.grad is not None])
-        return float(_sum_sq(torch._foreach_norm(grads, 2, dtype=torch.float32)).cpu())
+            grads = list(torch._foreach_mul(grads, [self.scale[id(p)] for p in self.params if p.grad is not None]))
+        return float(_sum_sq(list(torch._foreach_norm(grads, 2, dtype=torch.float32))).cpu())
 
-    def _preconditioner(self) -> dict[int, torch.Tensor]:
+    def preconditioner(self) -> dict[int, torch.Tensor]:
         states = [self.optimizer.state.get(p, {}) for p in self.params]
         # All or nothing: a mix of raw and preconditioned parameters measures neither geometry.
         if not states or any("exp_avg_sq" not in st for st in states):

@@ -12,6 +12,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from hvdtrain.errors import ConfigError
 
@@ -123,15 +124,15 @@ class StepTimeModel:
     def step_time(self, m: int, k: int) -> float:
         return k * self.micro_time(m) + self.sync
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"micro": [[m, t] for m, t in sorted(self.micro.items())], "sync": self.sync,
                 "probed": [[m, t] for m, t in sorted(self.probed.items())]}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.micro = {int(m): float(t) for m, t in state["micro"]}  # type: ignore[union-attr]
-        self.sync = float(state["sync"])  # type: ignore[arg-type]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro = {int(m): float(t) for m, t in state["micro"]}
+        self.sync = float(state["sync"])
         # Absent in older checkpoints, whose probe times sit in `micro`.
-        self.probed = {int(m): float(t) for m, t in state.get("probed", [])}  # type: ignore[union-attr]
+        self.probed = {int(m): float(t) for m, t in state.get("probed", [])}
 
 
 def _smooth(old: float, new: float, keep: float) -> float:

@@ -13,7 +13,6 @@ the tensors autograd saves for backward) against a budget, and the injection swi
 from __future__ import annotations
 
 import copy
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,27 +23,10 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from hvdtrain.adaptive.goodput import largest_divisor
+from hvdtrain.common import free_after_oom, is_oom, num_samples, rng_state, set_rng_state, to_device
 from hvdtrain.config import AdaptiveConfig
 from hvdtrain.errors import TrainingStopped
 from hvdtrain.world import World
-
-_OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory")
-
-
-def is_oom(exc: BaseException) -> bool:
-    """A CUDA OOM (torch.OutOfMemoryError) or a CPU allocator failure."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
-
-
-def free_after_oom(model: nn.Module, device: torch.device) -> None:
-    """Drop gradients (the reducer sends zeros for a missing .grad) and cached blocks."""
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def shrink_after_oom(m: int, k: int, shrink: float) -> tuple[int, int]:
@@ -136,10 +118,8 @@ class Prober:
         self.runs: dict[int, int] = {}  # successful runs by m
 
     def _batch(self, m: int) -> Any:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        from hvdtrain.loop import _to_device
-
-        return _to_device(default_collate([self.dataset[i % n] for i in range(m)]), self.device)
+        n = num_samples(self.dataset)
+        return to_device(default_collate([self.dataset[i % n] for i in range(m)]), self.device)
 
     def step(self, m: int, update: bool = False) -> int | None:
         """Bytes one forward+backward of m samples holds, or None on an OOM (real or injected)."""
@@ -161,7 +141,7 @@ class Prober:
         except Exception as exc:  # noqa: BLE001 - only OOMs are expected here
             if not is_oom(exc):
                 raise
-            exc = None
+            del exc  # the traceback holds the activations
             free_after_oom(self.model, self.device)
             return None
         if update:
@@ -211,8 +191,6 @@ class Prober:
 
 def probe(world: World, cfg: AdaptiveConfig, prober: Prober, start: int, limit: int) -> ProbeResult:
     """Run the probe on every rank and agree on the smallest cap (MIN). All ranks must call."""
-    from hvdtrain.checkpoint import rng_state, set_rng_state
-
     model, optimizer = prober.model, prober.optimizer
     saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), rng_state())
     try:

@@ -100,22 +100,3 @@ class StepStats:
         if state and len(state) == 5:  # saved before the world size was; a checkpoint resume keeps it
             state = [*state, self.world.size]
         self.pending = _Pending(None, *state) if state else None
-
-
-class StatsReducer:
-    """The GradReducer as train_step sees it under the adaptive controller `ctl`: micro-batch
-    boundaries go to its norm meter and clock, and `synchronize` adds the stats allreduce; False
-    means skip (non-finite or an OOM)."""
-
-    def __init__(self, ctl: Any, inner: Any) -> None:
-        self.ctl, self.inner = ctl, inner
-
-    def arm(self, last_micro_batch: bool) -> None:
-        self.ctl._micro_batch_starts()
-        self.inner.arm(last_micro_batch)
-
-    def synchronize(self) -> bool:
-        return self.ctl._synchronize(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # codec, residuals, ... as the reducer has them

@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+from hvdtrain.common import num_samples
+
 # Per task: (per-rank micro-batches of the fixed runs, smallest first; lr grid; target eval loss; overrides).
 TASKS: dict[str, dict[str, Any]] = {
     # Adam on this GPT sits near the edge of stability at constant lr: on 5 December B=16 needed 55
@@ -54,17 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an adaptive variant, e.g. goodput:norm_test=0 (repeatable; default: one with defaults)")
 
 
-class _Stop(Exception):
+class Stop(Exception):
     pass
 
 
-class _Watch:
+class Watch:
     """loss_fn wrapper: clocks training (the ranks' mean), excludes evaluation, and stops all ranks
     together at the target or once the budget is spent."""
 
     def __init__(self, world: Any, loss_fn: Any, target: float, budget: float) -> None:
         self.world, self.loss_fn, self.target, self.budget = world, loss_fn, target, budget
-        self.start = self.eval_started = None
+        self.start: float | None = None
+        self.eval_started: float | None = None
         self.eval_seconds, self.sums, self.evals = 0.0, [0.0, 0.0], 0
         self.result: dict[str, Any] = {}
         self.sizes: list[int] = []
@@ -92,6 +95,7 @@ class _Watch:
         # Stopping gates every later collective, so it must rest on reduced numbers only: each
         # rank's own clock crosses the budget at a different eval, and a rank that stops alone
         # leaves its peers waiting in their next allreduce (a 2-rank digits bench hung so).
+        assert self.eval_started is not None and self.start is not None  # set by __call__
         train_s = self.eval_started - self.start - self.eval_seconds
         local = torch.tensor([*self.sums, train_s / self.world.size], dtype=torch.float64)
         total = self.world.allreduce(local, name="bench.adaptive.eval")
@@ -100,10 +104,10 @@ class _Watch:
         self.eval_started, self.sums, self.evals = None, [0.0, 0.0], self.evals + 1
         if loss <= self.target or train_s > self.budget:
             self.result = {"reached": loss <= self.target, "time_s": train_s, "eval_loss": loss, "evals": self.evals}
-            raise _Stop
+            raise Stop
 
 
-def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, adaptive: dict | None,
+def one_run(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, adaptive: dict | None,
          spec: dict, budget: float, eval_samples: int, variant: str = "") -> dict[str, Any]:
     from hvdtrain.config import AdaptiveConfig
     from hvdtrain.loop import fit
@@ -119,18 +123,18 @@ def _one(world: Any, base: Any, task_name: str, seed: int, m: int, lr: float, ad
         optim=dataclasses.replace(base.optim, lr=lr, lr_scaling="none"),
         adaptive=AdaptiveConfig(enabled=True, **adaptive) if adaptive else base.adaptive)
     task = build_task(cfg)
-    if len(task.eval_set) < world.size:
+    if num_samples(task.eval_set) < world.size:
         # A rank with an empty evaluation shard never calls loss_fn in eval mode, so it would never
         # join the watch's allreduce: refuse (identically on every rank) rather than hang.
         from hvdtrain.errors import ConfigError
 
-        raise ConfigError(f"{task_name}: {len(task.eval_set)} held-out samples for {world.size} ranks; "
+        raise ConfigError(f"{task_name}: {num_samples(task.eval_set)} held-out samples for {world.size} ranks; "
                           "every rank needs at least one")
-    watch = _Watch(world, task.loss_fn, spec["target"], budget)
-    result = None
+    watch = Watch(world, task.loss_fn, spec["target"], budget)
+    result: Any = None
     try:
         result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=watch)
-    except _Stop:
+    except Stop:
         pass
     out = {"bench": "adaptive", "task": task_name, "np": world.size, "seed": seed,
            "mode": "adaptive" if adaptive else "fixed", "variant": variant, "start_batch": batch, "lr": lr,
@@ -166,9 +170,9 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, t
           best_lrs: dict[int, float] | None = None) -> None:
     from hvdtrain import config as config_mod
 
-    spec = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
+    spec: dict[str, Any] = dict(TASKS[name], target=target or TASKS[name]["target"], lrs=lrs or TASKS[name]["lrs"])
     if batches or best_lrs:
-        spec["batches"] = [b // world.size for b in batches or best_lrs]
+        spec["batches"] = [b // world.size for b in batches or best_lrs or []]
     base = config_mod.build(None, spec["set"] + list(overrides or []) + ["log.progress=false", "log.tensorboard=false"],
                              task=name)
     # With best lrs given, the first seed runs like the others: (time, lr) with no time measured.
@@ -176,7 +180,7 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, t
     runs: list[dict] = []
     for m in spec["batches"] if not best else []:  # lr grid on the first seed
         for lr in spec["lrs"]:
-            r = _one(world, base, name, 0, m, lr, None, spec, budget, eval_samples)
+            r = one_run(world, base, name, 0, m, lr, None, spec, budget, eval_samples)
             runs.append(r)
             t = r["time_s"] if r["reached"] else float("inf")
             if m not in best or t < best[m][0]:
@@ -186,16 +190,16 @@ def _task(world: Any, name: str, seeds: int, budget: float, eval_samples: int, t
                 "smoothing": 0.99}
     for seed in range(seeds):
         if seed or best_lrs:
-            runs += [_one(world, base, name, seed, m, best[m][1], None, spec, budget, eval_samples)
+            runs += [one_run(world, base, name, seed, m, best[m][1], None, spec, budget, eval_samples)
                      for m in spec["batches"]]
-        for variant, overrides in variants.items():
-            r = _one(world, base, name, seed, small, best[small][1], {**adaptive, **overrides}, spec, budget,
-                     eval_samples, variant)
+        for variant, settings in variants.items():
+            r = one_run(world, base, name, seed, small, best[small][1], {**adaptive, **settings}, spec, budget,
+                        eval_samples, variant)
             runs.append(r)
-    world.print(json.dumps(_summary(world, name, spec, runs, best, list(variants), budget)))
+    world.print(json.dumps(summary(world, name, spec, runs, best, list(variants), budget)))
 
 
-def _summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, variants: list[str],
+def summary(world: Any, name: str, spec: dict, runs: list[dict], best: dict, variants: list[str],
              budget: float) -> dict[str, Any]:
     def sel(mode: str, m: int | None = None, variant: str = "") -> list[dict]:
         return [r for r in runs if r["mode"] == mode and (m is None or r["start_batch"] == world.size * m)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from hvdtrain.comm.compression import make_codec
-from hvdtrain.world import World, _import_horovod
+from hvdtrain.common import num_samples
+from hvdtrain.world import World
 
 MODES = ("fp32", "fp16", "bf16", "hvd-fp16")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -48,13 +49,11 @@ def _slowest(world: World, times: list[float], name: str) -> tuple[float, float,
 
 def _reducer(world: World, mode: str) -> Callable[[torch.Tensor, str], None]:
     """One reduction in `mode`; the codec is made once per mode, as the gradient reducer does."""
-    hvd = _import_horovod()
     if mode == "hvd-fp16":  # Horovod's own Compression.fp16 with Average: the unsafe baseline
-        def plain(x: torch.Tensor, name: str) -> None:
-            c, ctx = hvd.Compression.fp16.compress(x)
-            hvd.Compression.fp16.decompress(hvd.allreduce(c, op=hvd.Average, name=name), ctx)
-        return plain
-    codec = make_codec({"fp32": "none"}.get(mode, mode), world.size)
+        from hvdtrain.bench.baseline import horovod_fp16_allreduce
+
+        return horovod_fp16_allreduce
+    codec = make_codec({"fp32": "none"}.get(mode, mode), world)
 
     def reduce(x: torch.Tensor, name: str) -> None:
         pending = codec.launch(x, name)
@@ -105,7 +104,7 @@ def allreduce(world: World, sizes: list[int], modes: list[str], iters: int = 0, 
 def _time_steps(world: World, task: Any, cfg: Any, batches: list, mode: str | None, warmup: int) -> list[float]:
     """Per-step seconds of real training steps; mode None = no communication at all (compute only)."""
     from hvdtrain.comm.reducer import GradReducer
-    from hvdtrain.loop import _to_device
+    from hvdtrain.common import to_device
     from hvdtrain.optim import build_optimizer
 
     model = task.model
@@ -115,7 +114,7 @@ def _time_steps(world: World, task: Any, cfg: Any, batches: list, mode: str | No
     for i, batch in enumerate(batches):
         world.barrier()  # start every step together so one rank's lag does not hide in the next
         start = time.perf_counter()
-        loss, _ = task.loss_fn(model, _to_device(batch, world.device))
+        loss, _ = task.loss_fn(model, to_device(batch, world.device))
         loss.backward()
         if reducer is None or reducer.synchronize():
             optimizer.step()
@@ -136,7 +135,7 @@ def compression(world: World, cfg: Any, steps: int, modes: list[str], warmup: in
     from hvdtrain.tasks.models import count_parameters
 
     task = build_task(cfg)
-    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    sampler = ShardedBatchSampler(num_samples(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(warmup + steps))]
     initial = copy.deepcopy(task.model.state_dict())
     numel = count_parameters(task.model)

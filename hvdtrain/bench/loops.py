@@ -1,7 +1,8 @@
 """One timed training run in one of three ways, for `hvdtrain bench train` (which launches it).
 
-- `hvdtrain`: the toolkit's own step (`trainer.train_step` with the GradReducer), under horovodrun;
-- `horovod`: the minimal hand-written loop with `hvd.DistributedOptimizer`, under horovodrun;
+- `hvdtrain`: the toolkit's own step (`hvdtrain.step.train_step` with the GradReducer), under horovodrun;
+- `horovod`: the minimal hand-written loop with `hvd.DistributedOptimizer`, under horovodrun
+  (hvdtrain/bench/baseline.py, the one module besides hvdtrain/world.py that imports Horovod);
 - `ddp`: PyTorch DistributedDataParallel over torch.distributed (gloo on CPU, nccl on GPU), under torchrun.
 
 Every way trains the same model from the same weights on the same pre-loaded batches with one
@@ -25,10 +26,12 @@ from typing import Any
 
 import torch
 
+from hvdtrain.common import num_samples
+
 MODES = ("hvdtrain", "horovod", "ddp")
 
 
-def _ddp_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
+def ddp_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
     import torch.distributed as dist
 
     from hvdtrain.world import World
@@ -49,7 +52,7 @@ def _ddp_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
     return world, gather, backend
 
 
-def _close_ddp() -> None:
+def close_ddp() -> None:
     import torch.distributed as dist
 
     # Exiting with a live Gloo group races its I/O threads against interpreter teardown ("terminate
@@ -58,27 +61,19 @@ def _close_ddp() -> None:
     dist.destroy_process_group()
 
 
-def _horovod_world(mode: str) -> tuple[Any, Callable[[Any], list[Any]], str]:
-    from hvdtrain.world import World, _import_horovod
+def hvdtrain_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
+    """World.init with the toolkit's defaults and one thread, a gather, and the controller's name."""
+    from hvdtrain.world import World
 
-    hvd = _import_horovod()
-    if mode == "hvdtrain":
-        world = World.init(threads=1)  # with the toolkit's Horovod defaults
-    else:  # the hand-written loop gets Horovod exactly as a user would: plain hvd.init()
-        hvd.init()
-        device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
-    controller = "gloo" if hvd.gloo_enabled() else "mpi"
-    return world, lambda obj: world.allgather_object(obj, name="bench.loops.gather"), controller
+    world = World.init(threads=1)
+    return world, lambda obj: world.allgather_object(obj, name="bench.loops.gather"), world.controller
 
 
-def _hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+def hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
     from hvdtrain.comm.reducer import GradReducer
-    from hvdtrain.loop import train_step
     from hvdtrain.metrics import MetricSums
     from hvdtrain.optim import build_optimizer
+    from hvdtrain.step import train_step
 
     model = task.model
     world.broadcast_parameters(model.state_dict())
@@ -92,51 +87,28 @@ def _hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Ten
     return step
 
 
-def _horovod_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
-    import horovod.torch as hvd
-
-    from hvdtrain.optim import build_optimizer
-
-    model = task.model
-    # Horovod: start from rank 0's weights, then average gradients with DistributedOptimizer.
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(build_optimizer(model, cfg.optim), named_parameters=model.named_parameters())
-
-    return _plain_step(model, optimizer, task.loss_fn)
-
-
-def _plain_step(model: Any, optimizer: Any, loss_fn: Any) -> Callable[[Any], torch.Tensor]:
-    # The loop a user writes by hand: Horovod's optimizer or DDP's hooks do the averaging inside.
-    def step(batch: Any) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss, _ = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-    return step
-
-
-def _ddp_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
+def ddp_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from hvdtrain.bench.baseline import plain_step
     from hvdtrain.optim import build_optimizer
 
     # DDP broadcasts rank 0's parameters and buffers when it wraps the model.
     model = DDP(task.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     optimizer = build_optimizer(model, cfg.optim)
 
-    return _plain_step(model, optimizer, task.loss_fn)
+    return plain_step(model, optimizer, task.loss_fn)
 
 
-def _batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
+def batches(world: Any, task: Any, cfg: Any, count: int) -> list[Any]:
+    from hvdtrain.common import to_device
     from hvdtrain.data import ShardedBatchSampler, train_loader
-    from hvdtrain.loop import _to_device
 
-    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    sampler = ShardedBatchSampler(num_samples(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     out: list[Any] = []
     while len(out) < count:  # wrap around small data sets, identically on every rank
         for b in train_loader(task.train_set, sampler):
-            out.append(_to_device(b, world.device))
+            out.append(to_device(b, world.device))
             if len(out) == count:
                 break
         sampler.set_epoch(sampler.epoch + 1)
@@ -150,17 +122,19 @@ def _sync(device: torch.device) -> None:
 
 def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
     """Train `warmup + steps` steps in `mode`; the record (on rank 0) or None. All ranks call."""
+    from hvdtrain.bench import baseline
     from hvdtrain.tasks import build_task
     from hvdtrain.tasks.models import count_parameters
 
     torch.set_num_threads(1)
-    world, gather, backend = _ddp_world() if mode == "ddp" else _horovod_world(mode)
+    worlds = {"hvdtrain": hvdtrain_world, "horovod": baseline.horovod_world, "ddp": ddp_world}
+    world, gather, backend = worlds[mode]()
     task = build_task(cfg)
     task.model.to(world.device)
-    step = {"hvdtrain": _hvdtrain_step, "horovod": _horovod_step, "ddp": _ddp_step}[mode](world, task, cfg)
-    batches = _batches(world, task, cfg, warmup + steps)
+    step = {"hvdtrain": hvdtrain_step, "horovod": baseline.horovod_step, "ddp": ddp_step}[mode](world, task, cfg)
+    todo = batches(world, task, cfg, warmup + steps)
     times, cpus, faults, losses = [], [], [], []
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(todo):
         _sync(world.device)
         minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu = time.perf_counter(), time.process_time()
@@ -178,7 +152,7 @@ def run(mode: str, cfg: Any, steps: int, warmup: int) -> dict[str, Any] | None:
             statistics.median(cpus), statistics.median(faults))
     every = gather(mine)
     if mode == "ddp":
-        _close_ddp()
+        close_ddp()
     if world.rank != 0:
         return None
     slowest = max(e[:4] for e in every)

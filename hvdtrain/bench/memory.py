@@ -18,6 +18,7 @@ import statistics
 import time
 from typing import Any
 
+from hvdtrain.common import num_samples
 from hvdtrain.config import TASKS
 from hvdtrain.errors import ConfigError
 
@@ -73,8 +74,8 @@ class _Runner:
         self.precision = Precision.from_config(self.cfg.memory, world.device)
 
     def step(self, batch: Any) -> None:
-        from hvdtrain.loop import train_step
         from hvdtrain.metrics import MetricSums
+        from hvdtrain.step import train_step
 
         train_step(self.model, self.optimizer, self.reducer, [batch], self.task.loss_fn, MetricSums(),
                    self.cfg.optim.clip_grad_norm, self.world.device, precision=self.precision)
@@ -115,7 +116,7 @@ def memory(world: Any, cfg: Any, variants: list[str], steps: int, warmup: int, r
     from hvdtrain.tasks.models import count_parameters
 
     task = build_task(cfg)
-    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    sampler = ShardedBatchSampler(num_samples(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(warmup + steps))]
     initial = copy.deepcopy(task.model.state_dict())
     runners = [_Runner(world, cfg, task, initial, v) for v in variants]

@@ -63,8 +63,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     from hvdtrain import config as config_mod
     from hvdtrain.config import TASKS
 
-    plan = {"tasks": _list(args.tasks, TASKS, "--tasks"), "modes": _list(args.modes, MODES, "--modes"),
-            "controllers": _list(args.controllers, CONTROLLERS, "--controllers")}
+    plan: dict[str, Any] = {"tasks": _list(args.tasks, TASKS, "--tasks"), "modes": _list(args.modes, MODES, "--modes"),
+                            "controllers": _list(args.controllers, CONTROLLERS, "--controllers")}
     try:
         plan["np"] = sorted({int(n) for n in _list(args.np, None, "--np")})
     except ValueError:
@@ -239,7 +239,8 @@ def ring_step(t1: float, np: int, params: int, link: dict[str, float]) -> float:
     return t1 + hops * link["alpha_s"] + hops / np * params * 4 / link["beta_bytes_s"]
 
 
-def _scaling(task: str, results: list[dict[str, Any]], links: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+def scaling_records(task: str, results: list[dict[str, Any]],
+                    links: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     out = []
     for mode, ctrl in sorted({(r["mode"], r["controller"]) for r in results if r["task"] == task}):
         rows = {r["np"]: r for r in results if (r["task"], r["mode"], r["controller"]) == (task, mode, ctrl)}
@@ -285,7 +286,8 @@ def _run_task(task: str, plan: dict[str, Any], args: argparse.Namespace) -> list
 
 def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    results, scaling = [], []
+    results: list[dict[str, Any]] = []
+    scaling: list[dict[str, Any]] = []
     for task in plan["tasks"]:
         task_results = _run_task(task, plan, args)
         results += task_results
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         if max(plan["np"]) > 1 and 1 in plan["np"]:  # the model needs a 1-rank step to predict from
             for ctrl in plan["controllers"]:
                 links[ctrl] = _ring_probe(task, max(plan["np"]), ctrl, task_results[0]["params"], plan, args)
-        for rec in _scaling(task, task_results, links):
+        for rec in scaling_records(task, task_results, links):
             _emit(rec)
             scaling.append(rec)
     if args.plot:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hvdtrain.world import World, _import_horovod
+from hvdtrain.metrics import TrainLog
+from hvdtrain.world import World
 
 CODECS = ("none", "fp16", "bf16")
 
@@ -44,21 +45,20 @@ class Codec:
     name = "none"
     wire_bytes = 4
 
-    def __init__(self, world_size: int) -> None:
-        self.n = world_size
+    def __init__(self, world: World) -> None:
+        self.world, self.n = world, world.size
 
     def launch(self, bucket: torch.Tensor, name: str, want_sent: bool = False) -> Pending:
         """Start reducing `bucket` (which the codec may overwrite); `want_sent` also returns this
         rank's contribution as the wire carries it (for error feedback). All ranks must call."""
-        hvd = _import_horovod()
-        return Pending(hvd.allreduce_async_(bucket, op=hvd.Average, name=name), None, bucket.numel(), name)
+        return Pending(self.world.allreduce_async_(bucket, name=name, op="average"), None, bucket.numel(), name)
 
     def advance(self, pending: Pending) -> None:
         """Start a second phase, if the codec has one. Call for every bucket before any `finish`."""
 
     def finish(self, pending: Pending) -> torch.Tensor:
         """Wait; return the averaged bucket in fp32."""
-        return _import_horovod().synchronize(pending.handle)
+        return self.world.wait(pending.handle)
 
 
 class FP16(Codec):
@@ -81,8 +81,8 @@ class FP16(Codec):
     chunk_bytes = 0  # of fp32 data per collective; 0: the whole bucket in one collective
     window = 2
 
-    def __init__(self, world_size: int) -> None:
-        super().__init__(world_size)
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
         self._staging: dict[str, torch.Tensor] = {}
 
     def _stage(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -110,18 +110,17 @@ class FP16(Codec):
         return pending
 
     def _start(self, pending: Pending, i: int) -> None:
-        hvd = _import_horovod()
         # Same chunking on every rank (same bucket sizes), hence the same names everywhere.
         name = pending.name if i == 0 and pending.numel == pending.chunks[0][0].numel() else f"{pending.name}.c{i}"
-        pending.chunks[i][2] = hvd.allreduce_async_(pending.chunks[i][1], op=hvd.Sum, name=name)
+        pending.chunks[i][2] = self.world.allreduce_async_(pending.chunks[i][1], name=name, op="sum")
 
     def finish(self, pending: Pending) -> torch.Tensor:
-        hvd = _import_horovod()
         for i, chunk in enumerate(pending.chunks):
-            hvd.synchronize(chunk[2])
+            self.world.wait(chunk[2])
             if i + self.window < len(pending.chunks):  # keep the link busy before widening this one
                 self._start(pending, i + self.window)
             chunk[0].copy_(chunk[1])
+        assert pending.out is not None
         return pending.out
 
 
@@ -132,31 +131,39 @@ class BF16(Codec):
     wire_bytes = 2
 
     def launch(self, bucket: torch.Tensor, name: str, want_sent: bool = False) -> Pending:
-        hvd = _import_horovod()
         numel = bucket.numel()
         padded = -(-numel // self.n) * self.n  # alltoall splits dim 0 evenly: pad to a multiple of n
         x = torch.zeros(padded, dtype=torch.bfloat16, device=bucket.device)
         x[:numel] = bucket
-        handle = hvd.alltoall_async(x.view(torch.int16), name=name + ".a2a")
+        handle = self.world.alltoall_async(x.view(torch.int16), name=name + ".a2a")
         return Pending(handle, x[:numel].float() if want_sent else None, numel, name)
 
     def advance(self, pending: Pending) -> None:
-        hvd = _import_horovod()
-        received, _ = hvd.synchronize(pending.handle)
+        received, _ = self.world.wait(pending.handle)
         chunks = received.view(torch.bfloat16).view(self.n, -1).float()
         mine = (chunks.sum(dim=0) / self.n).to(torch.bfloat16)
-        pending.handle = hvd.allgather_async(mine.view(torch.int16), name=pending.name + ".ag")
+        pending.handle = self.world.allgather_async(mine.view(torch.int16), name=pending.name + ".ag")
         pending.stage = 1
 
     def finish(self, pending: Pending) -> torch.Tensor:
         if pending.stage == 0:
             self.advance(pending)
-        gathered = _import_horovod().synchronize(pending.handle)
+        gathered = self.world.wait(pending.handle)
         return gathered.view(torch.bfloat16)[: pending.numel].float()
 
 
-def make_codec(name: str, world_size: int) -> Codec:
-    return {"none": Codec, "fp16": FP16, "bf16": BF16}[name](world_size)
+def make_codec(name: str, world: World) -> Codec:
+    return {"none": Codec, "fp16": FP16, "bf16": BF16}[name](world)
+
+
+class FixedCodec:
+    """compression=none|fp16|bf16: the reducer keeps the codec it was built with."""
+
+    def __init__(self, name: str) -> None:
+        self.initial = name
+
+    def before_step(self, reducer: Any, log: TrainLog, step: int, seconds: float | None) -> None:
+        """Nothing to choose (`AutoSelect` times the candidates here)."""
 
 
 class AutoSelect:
@@ -165,9 +172,10 @@ class AutoSelect:
     rank switches at the same step. `restart()` re-runs the trial (e.g. after a batch-size change)."""
 
     CANDIDATES = ("none", "fp16")
+    initial = "none"
 
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
+    def __init__(self, world: World, steps: int) -> None:
+        self.world, self.steps = world, steps
         self.restart()
 
     def restart(self) -> None:
@@ -176,6 +184,20 @@ class AutoSelect:
         self.times: dict[str, list[float]] = {c: [] for c in self.CANDIDATES}
         self.choice: str | None = None
         self.medians: dict[str, float] = {}
+
+    def before_step(self, reducer: Any, log: TrainLog, step: int, seconds: float | None) -> None:
+        """Set the reducer's codec for the next step, given the last step's `seconds` (None before the
+        first); when the trial ends, log which codec won and why. All ranks call at every step."""
+        if not self.plan:
+            return
+        if seconds is not None and self.record(seconds):
+            reducer.set_codec(self.decide())
+            why = ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in self.medians.items())
+            log.event(step, "compression", choice=self.choice,
+                      median_step_ms={c: t * 1e3 for c, t in self.medians.items()})
+            log.bar.write(f"hvdtrain: compression=auto chose {self.choice} (median step: {why})")
+            return
+        reducer.set_codec(self.plan[0][0])
 
     def codec_for_next_step(self) -> str | None:
         """The codec the next step must use, or None when no trial is running."""
@@ -188,39 +210,42 @@ class AutoSelect:
             self.times[codec].append(seconds)
         return not self.plan
 
-    def decide(self, world: World) -> str:
+    def decide(self) -> str:
         """Pick the faster codec from rank 0's timings. All ranks must call."""
         medians = {c: sorted(t)[len(t) // 2] for c, t in self.times.items() if t}
-        best = min(medians, key=medians.get) if world.is_root else None
-        self.choice = world.broadcast_object(best, name="hvdtrain.auto.choice")
-        self.medians = world.broadcast_object(medians, name="hvdtrain.auto.medians")
-        return self.choice
+        best = min(medians, key=medians.__getitem__) if self.world.is_root else None
+        self.choice = self.world.broadcast_object(best, name="hvdtrain.auto.choice")
+        self.medians = self.world.broadcast_object(medians, name="hvdtrain.auto.medians")
+        return str(self.choice)
 
 
-def reducescatter_launch(codec: str, flat: torch.Tensor, n: int, name: str) -> tuple[Any, torch.Tensor | None]:
+def codec_choice(world: World, compression: str, auto_steps: int) -> FixedCodec | AutoSelect:
+    """What picks the gradient codec each step, for `comm.compression`."""
+    return AutoSelect(world, auto_steps) if compression == "auto" else FixedCodec(compression)
+
+
+def reducescatter_launch(world: World, codec: str, flat: torch.Tensor, name: str) -> tuple[Any, torch.Tensor | None]:
     """Start an averaging reduce-scatter (ZeRO-2) of a flat fp32 bucket whose length is a multiple
-    of `n`; returns (pending, this rank's contribution as the wire carries it in fp32, or None if
-    exact). All ranks must call with the same name."""
-    hvd = _import_horovod()
+    of the world size; returns (pending, this rank's contribution as the wire carries it in fp32, or
+    None if exact). All ranks must call with the same name."""
     if codec == "none":
-        return ("none", hvd.reducescatter_async(flat, op=hvd.Average, name=name)), None
+        return ("none", world.reducescatter_async(flat, name=name, op="average")), None
     if codec == "fp16":
         # Divide in fp32 before the cast, as the fp16 allreduce codec does: partial sums cannot overflow.
-        half = flat.div_(n).half()
-        return ("fp16", hvd.reducescatter_async(half, op=hvd.Sum, name=name)), half.float() * n
+        half = flat.div_(world.size).half()
+        return ("fp16", world.reducescatter_async(half, name=name, op="sum")), half.float() * world.size
     # bf16: Horovod has no bf16 type; the bits travel as int16 and each rank sums its chunks in fp32.
     low = flat.bfloat16()
-    return ("bf16", hvd.alltoall_async(low.view(torch.int16), name=name + ".a2a")), low.float()
+    return ("bf16", world.alltoall_async(low.view(torch.int16), name=name + ".a2a")), low.float()
 
 
-def reducescatter_finish(codec: str, pending: tuple[str, Any], n: int) -> torch.Tensor:
+def reducescatter_finish(world: World, pending: tuple[str, Any]) -> torch.Tensor:
     """Wait; return this rank's slice of the averaged bucket in fp32."""
-    hvd = _import_horovod()
     kind, handle = pending
-    out = hvd.synchronize(handle)
+    out = world.wait(handle)
     if kind == "none":
         return out
     if kind == "fp16":
         return out.float()
-    chunks = out[0].view(torch.bfloat16).view(n, -1).float()
-    return (chunks.sum(dim=0) / n).bfloat16().float()  # rounded like the bf16 allreduce codec's mean
+    chunks = out[0].view(torch.bfloat16).view(world.size, -1).float()
+    return (chunks.sum(dim=0) / world.size).bfloat16().float()  # rounded like the bf16 allreduce codec's mean

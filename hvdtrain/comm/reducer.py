@@ -14,7 +14,8 @@ error feedback per bucket, and one agreed skip decision when the reduced gradien
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,21 +27,28 @@ from hvdtrain.world import World
 class HookedBuckets:
     """What GradReducer and ZeroReducer share: the codec switch, arming, and the hook that counts a
     bucket's gradients and launches its collective when the last one arrives. Subclasses set
-    world, codec, residuals, _bucket_of, _bucket_len, _ready and _armed, and define _launch."""
+    world, codec, residuals, buckets, _bucket_of, _bucket_len, _ready and _armed, and define _launch."""
 
     world: World
     codec: Codec
     residuals: dict[int, torch.Tensor]
+    buckets: list
     _bucket_of: dict[int, int]
     _bucket_len: list[int]
     _ready: list[int]
     _armed: bool
-    held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
+    _held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
 
     def set_codec(self, name: str) -> None:
         """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
-        self.codec = make_codec(name, self.world.size)
+        self.codec = make_codec(name, self.world)
         self.residuals = {}
+
+    def hold_last_bucket(self) -> None:
+        """Keep backward's last bucket out of the hooks: it is launched in `synchronize` (or
+        `launch_rest`), so a rank that fails mid-backward always has a bucket left to send its
+        verdict in (adaptive batch sizing's OOM backstop)."""
+        self._held = len(self.buckets) - 1
 
     def arm(self, last_micro_batch: bool) -> None:
         """Before each backward: only the last micro-batch of a step launches collectives."""
@@ -51,14 +59,40 @@ class HookedBuckets:
             return
         b = self._bucket_of[id(p)]
         self._ready[b] += 1
-        if self._ready[b] == self._bucket_len[b] and b != self.held:
+        if self._ready[b] == self._bucket_len[b] and b != self._held:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
         raise NotImplementedError
 
+    def launch_rest(self, fill: float | None = None) -> None:
+        """Launch every bucket not launched yet (the held one, those with a parameter that got no
+        gradient), filled with `fill` if given: NaN from a rank that cannot send a gradient makes the
+        average non-finite on every rank, so all of them skip the step without another collective."""
+        raise NotImplementedError
+
+    def synchronize(self) -> bool:
+        """Wait for every bucket; True if the averaged gradient is finite (the same on every rank)."""
+        raise NotImplementedError
+
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """After the optimizer step; the trainer calls this instead of `optimizer.zero_grad()`."""
+        raise NotImplementedError
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, clip: float) -> tuple[Any, float]:
+        """The optimizer the loop steps and the norm the loop clips the averaged gradient to."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state (residuals differ between ranks)."""
+        raise NotImplementedError
+
+    def load_rank_states(self, states: list[Any]) -> None:
+        """Restore from every saved rank's `state_dict()`, in rank order (None where a rank saved none)."""
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Detach the hooks (so a model can be trained again with a new reducer)."""
         raise NotImplementedError
 
 
@@ -69,10 +103,10 @@ class GradReducer(HookedBuckets):
     def __init__(self, world: World, named_parameters: Iterable[tuple[str, nn.Parameter]], codec: str = "none",
                  bucket_mb: float = 25.0, error_feedback: bool = False) -> None:
         self.world = world
-        self.codec: Codec = make_codec(codec, world.size)
+        self.codec: Codec = make_codec(codec, world)
         self.error_feedback = error_feedback
         seen: set[int] = set()
-        params = []
+        params: list[torch.Tensor] = []
         for _, p in named_parameters:
             if p.requires_grad and id(p) not in seen:  # tied weights appear once
                 seen.add(id(p))
@@ -91,7 +125,7 @@ class GradReducer(HookedBuckets):
         self._aliased = [False] * len(self.buckets)  # every grad of the bucket is its view
         self.residuals: dict[int, torch.Tensor] = {}
         self._armed = True
-        self.before_launch = None  # called with (bucket, flat local gradient) before each collective
+        self._taps: list[Callable[[int, torch.Tensor], None]] = []  # see add_tap
         # The hooks only start collectives early, to overlap them with backward; alone there is
         # nothing to overlap (synchronize launches every bucket), so, like Horovod's optimizer,
         # a single rank registers none: ~0.06 ms per step on a 3 ms digits step.
@@ -101,8 +135,8 @@ class GradReducer(HookedBuckets):
         flat = self._gather(b)
         if fill is not None:
             flat.fill_(fill)
-        if self.before_launch is not None:
-            self.before_launch(b, flat)
+        for tap in self._taps:
+            tap(b, flat)
         if self.error_feedback and b in self.residuals:
             flat += self.residuals[b]
         if self.world.size == 1 and self.codec.name == "none":
@@ -132,13 +166,19 @@ class GradReducer(HookedBuckets):
                 view.copy_(p.grad)
         return flat
 
+    def add_tap(self, tap: Callable[[int, torch.Tensor], None]) -> None:
+        """Call `tap(bucket, flat local gradient)` just before each bucket's collective (it must not
+        modify the gradient): gradient statistics read the buckets instead of every tensor."""
+        self._taps.append(tap)
+
     def launch_rest(self, fill: float | None = None) -> None:
-        """Launch every bucket not launched yet (the held one, those with a parameter that got no
-        gradient), filled with `fill` if given: NaN from a rank that cannot send a gradient makes the
-        average non-finite on every rank, so all of them skip the step without another collective."""
         for b in range(len(self.buckets)):
             if b not in self._pending:
                 self._launch(b, fill)
+
+    def views(self, b: int) -> list[torch.Tensor]:
+        """Bucket b's parameter-shaped views into its flat buffer: after a step, each `.grad` is one."""
+        return list(self._views[b])
 
     def flats(self) -> list[torch.Tensor | None]:
         """Each bucket's flat buffer: after `synchronize`, the averaged gradient."""
@@ -151,12 +191,13 @@ class GradReducer(HookedBuckets):
         collective and skip (or take) the step together.
         """
         self.launch_rest()
-        for b in sorted(self._pending):
-            if self._pending[b] is not None:
-                self.codec.advance(self._pending[b])
+        for pending in self._pending.values():
+            if pending is not None:
+                self.codec.advance(pending)
         done = []
         for b in sorted(self._pending):
             pending, flat = self._pending[b], self._flat[b]
+            assert flat is not None  # _launch gathered it
             out = flat if pending is None else self.codec.finish(pending)
             if out.data_ptr() != flat.data_ptr():  # a codec that returns a new tensor (bf16)
                 flat.copy_(out)
@@ -165,7 +206,7 @@ class GradReducer(HookedBuckets):
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self._armed = True
-        ok = _all_finite(done)
+        ok = all_finite(done)
         if not ok:
             self.residuals.clear()  # an inf in the residual would poison every later step
         return ok
@@ -184,26 +225,27 @@ class GradReducer(HookedBuckets):
                     if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                         p.grad = None
 
-    def state_dict(self) -> dict[str, object]:
-        """Per-rank state (residuals differ between ranks)."""
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, clip: float) -> tuple[torch.optim.Optimizer, float]:
+        """The optimizer the loop steps and the norm it clips the averaged gradient to: unchanged here."""
+        return optimizer, clip
+
+    def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.name, "residuals": {str(k): v for k, v in self.residuals.items()}}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.set_codec(str(state["codec"]))
-        self.residuals = {int(k): v for k, v in dict(state["residuals"]).items()}  # type: ignore[arg-type]
-
-    def adopt_hooks(self, handles: list) -> None:
-        """Hooks other gradient features registered (the noise-scale meter): detached with ours, on
-        every exit path of `fit`."""
-        self._hooks.extend(handles)
+    def load_rank_states(self, states: list[Any]) -> None:
+        """This rank's codec and residuals, if the checkpoint was saved by a world of this size (a
+        residual belongs to one rank's share of the data; in another world it is dropped)."""
+        mine = states[self.world.rank] if len(states) == self.world.size else None
+        if mine:
+            self.set_codec(str(mine["codec"]))
+            self.residuals = {int(k): v for k, v in dict(mine["residuals"]).items()}
 
     def remove(self) -> None:
-        """Detach the hooks (so a model can be trained again with a new reducer)."""
         for h in self._hooks:
             h.remove()
 
 
-def _all_finite(flats: list[torch.Tensor]) -> bool:
+def all_finite(flats: list[torch.Tensor]) -> bool:
     """True if every value is finite. A sum is finite only if every term is (inf and NaN propagate),
     so one reduction settles the common case; only a non-finite sum (a bad value, or a sum that
     overflowed) pays for the elementwise check. Measured: isfinite().all() on every step was

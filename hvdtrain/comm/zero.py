@@ -26,7 +26,7 @@ from torch import nn
 from hvdtrain.comm.compression import reducescatter_finish, reducescatter_launch
 from hvdtrain.comm.reducer import HookedBuckets
 from hvdtrain.errors import CheckpointError, ConfigError
-from hvdtrain.world import World, _import_horovod
+from hvdtrain.world import World
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _WINDOW = 2  # buckets whose allgather / stage-2 reduce-scatter may be in flight at once
@@ -93,6 +93,10 @@ class ZeroReducer(HookedBuckets):
 
     # ---- optimizer ----
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, clip: float) -> tuple[Any, float]:
+        """The sharded optimizer the loop steps; it clips by the global norm itself (the loop: 0)."""
+        return self.shard_optimizer(optimizer), 0.0
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """Replace `optimizer` (built over the model, still without state) by the same kind and
         hyperparameters over this rank's slices."""
@@ -107,6 +111,12 @@ class ZeroReducer(HookedBuckets):
         self.optimizer = type(optimizer)(self.shards, **hyper)
         return ShardedOptimizer(self)
 
+    @property
+    def shard_opt(self) -> torch.optim.Optimizer:
+        """The optimizer over this rank's slices."""
+        assert self.optimizer is not None, "call shard_optimizer() first"
+        return self.optimizer
+
     # ---- gradients ----
 
     def _gather_grads(self, b: int) -> torch.Tensor:
@@ -120,11 +130,13 @@ class ZeroReducer(HookedBuckets):
                 p.grad = None  # the flat bucket is now the only copy
         return flat
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int, fill: float | None = None) -> None:
         if self.stage == 2 and len(self._pending) >= _WINDOW:
             self._finish(min(self._pending))  # bounds the full-size stage-2 buckets alive at once
         self._launched.add(b)
         flat = self._gather_grads(b)
+        if fill is not None:
+            flat.fill_(fill)
         if self.error_feedback and b in self.residuals:
             flat += self.residuals[b]
         compensated = flat.clone() if self.error_feedback else None
@@ -133,27 +145,30 @@ class ZeroReducer(HookedBuckets):
             pending = self.codec.launch(flat, name=name, want_sent=self.error_feedback)
             sent = pending.sent
         else:
-            pending, sent = reducescatter_launch(self.codec.name, flat, self.world.size, name)
+            pending, sent = reducescatter_launch(self.world, self.codec.name, flat, name)
         if compensated is not None and sent is not None:
             self.residuals[b] = compensated - sent  # what this rank meant to send minus the wire's
         self._pending[b] = pending
 
     def _finish(self, b: int) -> None:
         pending = self._pending.pop(b)
-        if self.stage == 1:
+        if self.full_grads is not None:  # stage 1
             out = self.codec.finish(pending)
             if out.data_ptr() != self.full_grads[b].data_ptr():
                 self.full_grads[b].copy_(out)
             self.shards[b].grad = self._mine(self.full_grads[b])
         else:
-            self.shards[b].grad = reducescatter_finish(self.codec.name, pending, self.world.size)
+            self.shards[b].grad = reducescatter_finish(self.world, pending)
+
+    def launch_rest(self, fill: float | None = None) -> None:
+        for b in range(len(self.buckets)):
+            if b not in self._launched:
+                self._launch(b, fill)
 
     def synchronize(self) -> bool:
         """Finish every bucket's reduction; True if the global gradient is finite (agreed by one
         scalar allreduce, since in stage 2 no rank sees the whole gradient). All ranks must call."""
-        for b in range(len(self.buckets)):
-            if b not in self._launched:
-                self._launch(b)
+        self.launch_rest()
         for b in sorted(self._pending):
             if self.stage == 1:
                 self.codec.advance(self._pending[b])
@@ -162,7 +177,7 @@ class ZeroReducer(HookedBuckets):
         self._ready = [0] * len(self.buckets)
         self._launched.clear()
         self._armed = True
-        local = torch.stack([g.grad.double().pow(2).sum() for g in self.shards]).sum()
+        local = torch.stack([_grad(s).double().pow(2).sum() for s in self.shards]).sum()
         # inf/nan anywhere makes the global sum non-finite on every rank: one verdict for all.
         total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
         self.grad_norm = total[0].sqrt()
@@ -173,23 +188,21 @@ class ZeroReducer(HookedBuckets):
 
     def step(self) -> None:
         """Clip by the global norm, update this rank's slices, allgather them. All ranks must call."""
-        assert self.optimizer is not None, "call shard_optimizer() first"
         if self.clip > 0:
             coef = float(torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
             for s in self.shards:
-                s.grad.mul_(coef)
-        self.optimizer.step()
-        hvd = _import_horovod()
+                _grad(s).mul_(coef)
+        self.shard_opt.step()
         handles: dict[int, Any] = {}
         for b, shard in enumerate(self.shards):
-            handles[b] = hvd.allgather_async(shard, name=f"hvdtrain.zero.params.{b}")
+            handles[b] = self.world.allgather_async(shard, name=f"hvdtrain.zero.params.{b}")
             if len(handles) >= _WINDOW:
                 self._copy_gathered(handles, min(handles))
         for b in sorted(handles):
             self._copy_gathered(handles, b)
 
     def _copy_gathered(self, handles: dict[int, Any], b: int) -> None:
-        self.flat[b].copy_(_import_horovod().synchronize(handles.pop(b)))
+        self.flat[b].copy_(self.world.wait(handles.pop(b)))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The sharded optimizer's zero_grad (the trainer passes its optimizer; this is what it calls)."""
@@ -209,9 +222,13 @@ class ZeroReducer(HookedBuckets):
                 or state["zero"]["world_size"] != self.world.size:
             raise CheckpointError("this optimizer shard was saved with another partition; use load_shards "
                                   "with every rank's state to re-shard")
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.shard_opt.load_state_dict(state["optimizer"])
         self.set_codec(state["codec"])
         self.residuals = {int(k): v for k, v in state["residuals"].items()}
+
+    def load_rank_states(self, states: list[Any]) -> None:
+        """This rank's shard from every saved rank's state (see `load_shards`)."""
+        self.load_shards([s or {} for s in states])
 
     def load_shards(self, saved: list[dict[str, Any]]) -> None:
         """Restore from every saved rank's state (in rank order). The same partition loads this
@@ -227,7 +244,7 @@ class ZeroReducer(HookedBuckets):
         if same:
             self.load_state_dict(saved[self.world.rank])
         else:
-            self.optimizer.load_state_dict(reshard(saved, mine))
+            self.shard_opt.load_state_dict(reshard(saved, mine))
             self.set_codec(saved[0]["codec"])
 
     def memory(self) -> dict[str, int]:
@@ -252,14 +269,25 @@ class ShardedOptimizer:
     def __init__(self, zero: ZeroReducer) -> None:
         self.zero = zero
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (`state`, step hooks for the memory profiler, `defaults`) is the shard
-        # optimizer's: its step runs inside `step()`, over this rank's slices and their gradients.
-        return getattr(self.zero.optimizer, name)
-
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.zero.optimizer.param_groups
+        return self.zero.shard_opt.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.zero.shard_opt.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.zero.shard_opt.defaults
+
+    # The memory profiler's hooks see the shard optimizer: its step runs inside `step()`, over this
+    # rank's slices and their gradients.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.zero.shard_opt.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.zero.shard_opt.register_step_post_hook(hook)
 
     def step(self) -> None:
         self.zero.step()
@@ -276,6 +304,12 @@ class ShardedOptimizer:
                                   "resume with memory.zero_stage=0")
         for group, saved in zip(self.param_groups, state["zero_param_groups"]):
             group.update(saved)
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """A shard's gradient, which `synchronize` has set."""
+    assert t.grad is not None
+    return t.grad
 
 
 def _bucketize(named: list[tuple[str, nn.Parameter]], cap_bytes: int, n: int) -> list[dict[str, Any]]:

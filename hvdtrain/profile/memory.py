@@ -12,7 +12,6 @@ each step through /proc/self/clear_refs) on CPU, which also counts the interpret
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,6 @@ from hvdtrain.config import Config, parse_steps
 from hvdtrain.world import World
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "peak")
-
-
-@functools.cache
-def _cuda() -> bool:
-    # torch.cuda.is_available() costs ~7 us a call on CPU, and a step opens four ranges.
-    return torch.cuda.is_available()
-
-
-def nvtx_range(name: str) -> contextlib.AbstractContextManager:
-    """An NVTX range for Nsight Systems on CUDA; nothing on CPU."""
-    return torch.cuda.nvtx.range(name) if _cuda() else contextlib.nullcontext()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -171,7 +159,7 @@ class MemoryProfiler:
     def step(self, step: int) -> Iterator[None]:
         """Around optimizer step `step + 1` (the counter before it runs)."""
         self._maybe_start_trace(step + 1)
-        if not self.enabled:
+        if self._meter is None:  # profiling off
             yield
             self._maybe_stop_trace(step + 1)
             return
@@ -219,7 +207,7 @@ class MemoryProfiler:
             self._profiler.start()
 
     def _maybe_stop_trace(self, n: int) -> None:
-        if self._profiler is not None and n == self.trace[1]:
+        if self._profiler is not None and self.trace is not None and n == self.trace[1]:
             self._profiler.stop()
             self._profiler.export_chrome_trace(str(self.trace_path()))
             self._profiler = None
@@ -235,7 +223,7 @@ class MemoryProfiler:
 
     def close(self) -> None:
         """Remove the hooks (idempotent); `finish` calls it."""
-        if self._profiler is not None:  # the run ended inside the trace window
+        if self._profiler is not None and self.trace is not None:  # the run ended inside the trace window
             self._maybe_stop_trace(self.trace[1])
         for h in self._hooks:
             h.remove()

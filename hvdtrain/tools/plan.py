@@ -84,6 +84,7 @@ def count_model_params(cfg: Any) -> int:
 
     from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet, count_parameters
 
+    model: torch.nn.Module
     with torch.device("meta"):
         if cfg.task == "pylm":
             model = GPT(cfg.model)
@@ -150,12 +151,7 @@ def run(args: argparse.Namespace) -> int:
     precisions = _list(args.precision, PRECISIONS, "precision")
     optimizers = _list(args.optimizer or cfg.optim.name, OPTIMIZERS, "optimizer")
     stages = _list(args.zero_stage or str(cfg.memory.zero_stage), STAGES, "zero-stage", int)
-    if args.bandwidth <= 0 or args.latency < 0:
-        raise ConfigError("--bandwidth must be > 0 and --latency >= 0")
-    if args.measure and (args.params or precisions != ["fp32"]):
-        raise ConfigError("--measure runs a built-in task in fp32: drop --params and use --precision fp32")
-    if args.budget_gb and cfg.task != "pylm":
-        raise ConfigError("--budget-gb searches pylm depths; use --task pylm")
+    _check_flags(args, cfg, precisions)
     world = None
     if args.measure or args.measure_link:
         from hvdtrain.world import World
@@ -173,15 +169,29 @@ def run(args: argparse.Namespace) -> int:
                 if args.budget_gb:
                     record["budget_gb"] = args.budget_gb
                     record["largest"] = largest_layers(cfg, args.budget_gb * 2**30, ranks, stage, optimizer, precision)
-                if args.measure:
-                    from hvdtrain.tools.plan_measure import measure
-
-                    record["measured"] = measure(world, cfg, stage, optimizer, args.steps)
-                    record["measured_over_predicted"] = {k: record["measured"][k] / record["memory"][k]
-                                                         for k in record["memory"] if record["memory"][k]}
+                if world is not None and args.measure:
+                    _add_measured(record, world, cfg, stage, optimizer, args.steps)
                 if world is None or world.is_root:
                     print(json.dumps(record), flush=True)
     return 0
+
+
+def _check_flags(args: argparse.Namespace, cfg: Any, precisions: list[str]) -> None:
+    if args.bandwidth <= 0 or args.latency < 0:
+        raise ConfigError("--bandwidth must be > 0 and --latency >= 0")
+    if args.measure and (args.params or precisions != ["fp32"]):
+        raise ConfigError("--measure runs a built-in task in fp32: drop --params and use --precision fp32")
+    if args.budget_gb and cfg.task != "pylm":
+        raise ConfigError("--budget-gb searches pylm depths; use --task pylm")
+
+
+def _add_measured(record: dict[str, Any], world: Any, cfg: Any, stage: int, optimizer: str, steps: int) -> None:
+    """Real steps beside the prediction. All ranks call."""
+    from hvdtrain.tools.plan_measure import measure
+
+    record["measured"] = measure(world, cfg, stage, optimizer, steps)
+    record["measured_over_predicted"] = {k: record["measured"][k] / record["memory"][k]
+                                         for k in record["memory"] if record["memory"][k]}
 
 
 def predict(cfg: Any, params: int, ranks: int, stage: int, optimizer: str, precision: str, link: dict) -> dict:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hvdtrain.common import num_samples
 from hvdtrain.profile.memory import proc_status, reset_peak_rss
 from hvdtrain.world import World
 
@@ -32,34 +33,34 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     """Run `steps` optimizer steps; bytes per category on the largest rank, peak RSS. All ranks call."""
     from hvdtrain.comm.reducer import GradReducer
     from hvdtrain.comm.zero import ZeroReducer
+    from hvdtrain.common import to_device
     from hvdtrain.data import ShardedBatchSampler, train_loader
-    from hvdtrain.loop import _to_device
     from hvdtrain.optim import build_optimizer
     from hvdtrain.tasks import build_task
 
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=optimizer_name))
     task = build_task(cfg)
     model = task.model.to(world.device)
-    sampler = ShardedBatchSampler(len(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
+    sampler = ShardedBatchSampler(num_samples(task.train_set), world, cfg.train.batch_size, 1, cfg.seed)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(max(1, steps)))]
     rss_built = proc_status()["VmRSS"]  # the model and data are built; no gradient or state yet
     reset_peak_rss()
-    optimizer = build_optimizer(model, cfg.optim)
+    reducer: ZeroReducer | GradReducer
     if stage:
         reducer = ZeroReducer(world, model.named_parameters(), stage, cfg.comm.compression, cfg.comm.bucket_mb)
-        optimizer = reducer.shard_optimizer(optimizer)
     else:
         reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
+    optimizer, _ = reducer.prepare_optimizer(build_optimizer(model, cfg.optim), 0.0)
     times = []
     for i, batch in enumerate(batches):
         start = time.perf_counter()
-        loss, _ = task.loss_fn(model, _to_device(batch, world.device))
+        loss, _ = task.loss_fn(model, to_device(batch, world.device))
         loss.backward()
         if reducer.synchronize():
             optimizer.step()
         times.append(time.perf_counter() - start)
         if i == len(batches) - 1:  # gradients and updated state both alive: the steady-state high mark
-            held = reducer.memory() if stage else _unsharded_bytes(model, optimizer)
+            held = reducer.memory() if isinstance(reducer, ZeroReducer) else _unsharded_bytes(model, optimizer)
         optimizer.zero_grad()
     reducer.remove()
     numels = [b["numel"] for b in reducer.buckets] if stage else [sum(p.numel() for p in b) for b in reducer.buckets]
@@ -67,7 +68,7 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     held["total"] = sum(held.values())
     held["peak_rss"] = proc_status()["VmHWM"]
     held["rss_after_model_build"] = rss_built
-    held["step_s"] = statistics.median(times)
+    held["step_s"] = statistics.median(times)  # type: ignore[assignment]  # seconds among byte counts
     every = world.allgather_object(held, name="hvdtrain.plan.measured")
     out = {k: max(r[k] for r in every) for k in held}
     out["per_rank_total"] = [r["total"] for r in every]
@@ -78,9 +79,6 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
 def _comm_seconds(world: World, numels: list[int], stage: int, repeats: int = 3) -> dict[str, float]:
     """Median seconds of the step's collectives over the real bucket sizes, one bucket after the
     other, without compute to overlap (what the ring model predicts). All ranks call."""
-    from hvdtrain.world import _import_horovod
-
-    hvd = _import_horovod()
     kinds = ["reducescatter" if stage == 2 else "allreduce"] + (["allgather"] if stage else [])
     out: dict[str, float] = {}
     for kind in kinds:
@@ -92,9 +90,11 @@ def _comm_seconds(world: World, numels: list[int], stage: int, repeats: int = 3)
             for b, x in enumerate(bufs):
                 name = f"hvdtrain.plan.{kind}.{b}"
                 if kind == "allgather":
-                    hvd.allgather(x, name=name)
+                    world.allgather(x, name=name)
+                elif kind == "reducescatter":
+                    world.reducescatter(x, name=name, op="average")
                 else:
-                    getattr(hvd, kind)(x, name=name, op=hvd.Average)
+                    world.allreduce(x, name=name, op="average")
             if i:
                 times.append(time.perf_counter() - start)
         out[kind] = statistics.median(times)

@@ -85,7 +85,7 @@ def _plot(path: Path, title: str, ylabel: str, lines: dict[tuple[str, str], tupl
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for (kind, key), (steps, values) in sorted(lines.items()):
-        style = {"marker": "o", "linestyle": "--"} if kind == "eval" or len(steps) == 1 else {}
+        style: dict[str, Any] = {"marker": "o", "linestyle": "--"} if kind == "eval" or len(steps) == 1 else {}
         ax.plot(steps, values, label=f"{kind} {key}", **style)
     ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
     ax.grid(alpha=0.3)

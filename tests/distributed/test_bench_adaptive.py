@@ -16,11 +16,11 @@ def test_budget_stop_is_agreed_when_rank_clocks_disagree(world, monkeypatch):
     real = time.perf_counter
     fast = types.SimpleNamespace(perf_counter=lambda: real() * (1 + world.rank))
     monkeypatch.setattr(bench_adaptive, "time", fast)
-    watch = bench_adaptive._Watch(world, classification_loss, target=-1.0, budget=0.2)
+    watch = bench_adaptive.Watch(world, classification_loss, target=-1.0, budget=0.2)
     cfg = small_config(epochs=10**4, batch_size=4, accumulation=1, eval_every=2)
     try:
         hvdtrain.fit(world, mlp(seed=1), None, blobs(n=64), cfg, eval_set=blobs(n=16, seed=1), loss_fn=watch)
-    except bench_adaptive._Stop:
+    except bench_adaptive.Stop:
         pass
     assert watch.result and not watch.result["reached"]
     assert watch.result["time_s"] > 0.2

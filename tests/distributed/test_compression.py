@@ -29,15 +29,15 @@ def test_plain_horovod_fp16_overflows_where_safe_fp16_does_not(world):
     compressed, ctx = hvd.Compression.fp16.compress(grad)
     plain = hvd.Compression.fp16.decompress(hvd.allreduce(compressed, op=hvd.Average, name="t.plain"), ctx)
     assert torch.isinf(plain).all()
-    safe = reduce_with(FP16(world.size), grad, "t.safe")
+    safe = reduce_with(FP16(world), grad, "t.safe")
     assert torch.equal(safe, grad)
 
 
 def test_bf16_reduce_equals_fp32_reduce_to_bf16_precision(world):
     g = torch.Generator().manual_seed(world.rank)
     t = torch.randn(10_001, generator=g) * (1 + world.rank)  # odd length: exercises the padding
-    exact = reduce_with(Codec(world.size), t, "t.fp32")
-    approx = reduce_with(BF16(world.size), t, "t.bf16")
+    exact = reduce_with(Codec(world), t, "t.fp32")
+    approx = reduce_with(BF16(world), t, "t.bf16")
     # Each input is rounded to bf16 (unit roundoff 2^-8), summed in fp32, and the mean rounded again.
     every = torch.stack(world.allgather_object(t, name="t.inputs"))
     bound = 2**-8 * (every.abs().mean(0) + exact.abs()) + 1e-30
@@ -48,13 +48,13 @@ def test_bf16_reduce_equals_fp32_reduce_to_bf16_precision(world):
 def test_fp16_in_chunks_matches_one_collective_and_reuses_its_buffers(world):
     g = torch.Generator().manual_seed(100 + world.rank)
     t = torch.randn(10_001, generator=g)  # odd length: the last chunk is short
-    whole = FP16(world.size)
-    chunked = FP16(world.size)
+    whole = FP16(world)
+    chunked = FP16(world)
     chunked.chunk_bytes = 4 * 1024  # 1024 values per chunk: 10 full chunks and a short one
     one = reduce_with(whole, t, "t.fp16.whole")
     pending = chunked.launch(t.clone(), "t.fp16.chunks", want_sent=True)
     assert len(pending.chunks) == 10
-    assert torch.equal(pending.sent, t.div(world.size).half().float() * world.size)
+    assert torch.equal(pending.sent, t.div(world).half().float() * world.size)
     many = chunked.finish(pending)
     if world.size <= 2:  # a sum of two is exact in either order
         assert torch.equal(many, one)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hvdtrain.allocator import _glibc, why_not_pinned
+from hvdtrain.allocator import glibc, why_not_pinned
 
 _FAULTS = """
 import json, resource, statistics, sys
@@ -44,7 +44,7 @@ def test_the_users_choice_of_allocator_is_left_alone(env: dict, reason: str) -> 
     assert why_not_pinned(env) == reason
 
 
-@pytest.mark.skipif(_glibc() is None, reason="glibc only")
+@pytest.mark.skipif(glibc() is None, reason="glibc only")
 def test_pinning_stops_large_buffers_being_faulted_in_every_step() -> None:
     assert why_not_pinned({}) is None
     system, pinned = _faults_per_step("system"), _faults_per_step("pin")

@@ -9,6 +9,7 @@ import hvdtrain
 from hvdtrain.config import ElasticConfig
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.elastic import ElasticState
+from hvdtrain.state import OptimizerState, Registry
 
 
 class Counter:
@@ -34,7 +35,9 @@ def test_restore_returns_to_the_commit_and_the_commit_survives_later_steps(world
     _one_step(model, opt)  # momentum buffers exist
     sampler = ShardedBatchSampler(64, world, 4, keep_global_batch=True)
     counter = Counter()
-    state = ElasticState(model, opt, sampler, {"counter": counter})
+    registry = Registry()
+    registry.add_all({"model": model, "optimizer": OptimizerState(opt), "sampler": sampler, "counter": counter})
+    state = ElasticState(world, model, registry)
     sampler.advance(sampler.global_batch)
     counter.n, state.step = 7, 1
     state.commit()

@@ -2,7 +2,7 @@
 
 import torch
 
-from hvdtrain.comm.reducer import _all_finite
+from hvdtrain.comm.reducer import all_finite
 
 
 def test_all_finite_agrees_with_the_elementwise_check():
@@ -16,8 +16,8 @@ def test_all_finite_agrees_with_the_elementwise_check():
         [torch.tensor([float("inf"), -float("inf")])],  # sums to NaN: still non-finite
     ]
     for flats in cases:
-        assert _all_finite(flats) == all(bool(torch.isfinite(f).all()) for f in flats), flats
-    assert _all_finite([]) is True
+        assert all_finite(flats) == all(bool(torch.isfinite(f).all()) for f in flats), flats
+    assert all_finite([]) is True
 
 
 def _model() -> torch.nn.Module:
@@ -29,8 +29,8 @@ def test_grads_stay_bucket_views_and_steps_match_plain_pytorch():
     """One rank: the reducer keeps each .grad a view of its bucket and zeroes the buckets in place;
     with two micro-batches accumulated every step, the weights still equal plain PyTorch's."""
     from hvdtrain.comm.reducer import GradReducer
-    from hvdtrain.loop import train_step
     from hvdtrain.metrics import MetricSums
+    from hvdtrain.step import Outcome, train_step
     from hvdtrain.world import World
 
     world = World(0, 1, 0, 1, torch.device("cpu"))
@@ -46,14 +46,14 @@ def test_grads_stay_bucket_views_and_steps_match_plain_pytorch():
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         micro = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(2)]
-        assert train_step(ours, opt, reducer, micro, loss_fn, MetricSums(), 0.0, world.device)
+        assert train_step(ours, opt, reducer, micro, loss_fn, MetricSums(), 0.0, world.device) is Outcome.STEPPED
         ref_opt.zero_grad()
         for batch in micro:
             (loss_fn(ref, batch)[0] / 2).backward()
         ref_opt.step()
     assert len(reducer.buckets) > 1
     for b, params in enumerate(reducer.buckets):
-        for p, view in zip(params, reducer._views[b]):
+        for p, view in zip(params, reducer.views(b)):
             assert p.grad.data_ptr() == view.data_ptr() and not p.grad.any()
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -74,4 +74,4 @@ def test_a_grad_rebound_elsewhere_is_copied_in_and_becomes_a_view_again():
     expected = first.grad.clone()
     assert reducer.synchronize()
     torch.testing.assert_close(first.grad, expected)
-    assert any(first.grad.data_ptr() == v.data_ptr() for views in reducer._views for v in views)
+    assert any(first.grad.data_ptr() == v.data_ptr() for b in range(len(reducer.buckets)) for v in reducer.views(b))
