@@ -8,12 +8,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test gets the environment it started with back: a variable one test sets (a malloc
+    policy, OMP_NUM_THREADS, a launcher's rank) must not change how a later test behaves."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def world():
-    """The one World of this test process (size 1 unless the suite runs under horovodrun)."""
+    """The one World of this test process (size 1 unless the suite runs under horovodrun); Horovod
+    is shut down when the session ends, so no background thread outlives the tests."""
     from hvdtrain.world import World
 
-    return World.init(threads=1 if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ else None)
+    w = World.init(threads=1 if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ else None)
+    yield w
+    World.shutdown()
 
 
 @pytest.fixture(scope="session")
