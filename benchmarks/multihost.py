@@ -130,7 +130,7 @@ def run_matrix(args: argparse.Namespace) -> int:
 
 
 def summarize(path: str) -> None:
-    """Markdown tables (allreduce, training) of a results file, as docs/benchmarks.md shows them."""
+    """Markdown tables (allreduce, training) of a results file, as docs/compression.md shows them."""
     recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     print("| hosts | link | ctl | goodput Mbit/s | mode | time s | busbw Mbit/s | of goodput | vs fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")

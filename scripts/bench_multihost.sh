@@ -8,7 +8,7 @@
 #
 # Needs root (network namespaces). Uses HVD_TESTBED_PREFIX (default hvb here), so it does not touch a
 # testbed someone else has up under another prefix. The testbed is torn down on exit, error or Ctrl-C.
-# Details and the figures measured: docs/benchmarks.md.
+# Details and the figures measured: docs/compression.md.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export HVD_TESTBED_PREFIX=${HVD_TESTBED_PREFIX:-hvb}

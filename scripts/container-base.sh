@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rootful podman on a machine with no Docker engine and no registry (shared/design/containers.md):
+# Rootful podman on a machine with no Docker engine and no registry (docker/README.md):
 # the packages, a private configuration and storage folder, and a Debian bookworm base image made
 # with debootstrap and tagged under the names our Dockerfiles' FROM lines use, so they build unchanged.
 # Idempotent: the second run takes about a second.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A multi-host cluster on one machine: N network-namespace "hosts" on a private bridge, each with its
 # own address, hostname (resolving to that address) and sshd, so horovodrun launches remote ranks over
-# real ssh; tc limits the links. See docs/multihost.md and /work/shared/design/testbed.md.
+# real ssh; tc limits the links. See docs/multihost.md (topology, traps, figures).
 #
 #   testbed.sh up N [rate]        N hosts (rate e.g. 200mbit, 1gbit; default: unlimited); idempotent
 #   testbed.sh run [-h I] CMD...  run CMD on host I (default 0) with its hostname and the testbed's ssh
