@@ -54,7 +54,7 @@ def test_fp16_in_chunks_matches_one_collective_and_reuses_its_buffers(world):
     one = reduce_with(whole, t, "t.fp16.whole")
     pending = chunked.launch(t.clone(), "t.fp16.chunks", want_sent=True)
     assert len(pending.chunks) == 10
-    assert torch.equal(pending.sent, t.div(world).half().float() * world.size)
+    assert torch.equal(pending.sent, t.div(world.size).half().float() * world.size)
     many = chunked.finish(pending)
     if world.size <= 2:  # a sum of two is exact in either order
         assert torch.equal(many, one)
