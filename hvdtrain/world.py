@@ -86,6 +86,12 @@ class World:
         """Shut Horovod down (it may be initialised again afterwards, under Gloo)."""
         _horovod().shutdown()
 
+    @staticmethod
+    def horovod_build() -> dict[str, bool]:
+        """Which controllers and GPU operations this Horovod was built with."""
+        hvd = _horovod()
+        return {"nccl": bool(hvd.nccl_built()), "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built())}
+
     @property
     def is_root(self) -> bool:
         return self.rank == 0

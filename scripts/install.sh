@@ -4,9 +4,15 @@
 #   HVDTRAIN_PYTHON        interpreter for the venv (default: python3)
 #   HVDTRAIN_VENV          venv folder (default: <checkout>/.venv)
 #   HVDTRAIN_TORCH         torch version (default: 2.13.0)
-#   HVDTRAIN_CUDA          "" for CPU (default), or a CUDA tag such as cu121/cu124/cu126: selects
-#                          PyTorch's CUDA wheel index and builds Horovod with NCCL GPU operations
+#   HVDTRAIN_CUDA          "" for CPU (default), or a CUDA tag: builds Horovod with NCCL GPU operations.
+#                          cu130: everything from PyPI alone (PyPI's torch is the CUDA 13.0 build; the
+#                          CUDA 13.0 toolchain from NVIDIA's wheels is assembled into a CUDA home in the
+#                          cache; NCCL is torch's own nvidia-nccl-cu13). Other tags (cu126, cu128...):
+#                          torch from PyTorch's index for that tag, and a CUDA toolkit of the machine
+#                          (HOROVOD_CUDA_HOME, default /usr/local/cuda; PyPI has no CUDA 12 nvcc)
 #   HVDTRAIN_TORCH_INDEX   explicit pip index URL for torch (overrides the one HVDTRAIN_CUDA selects)
+#   HVDTRAIN_WITHOUT_MPI=1 build Horovod with Gloo only (hosts without Open MPI; no mpirun needed)
+#   HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME, HOROVOD_BUILD_CUDA_CC_LIST: passed to Horovod's build
 #   HVDTRAIN_CACHE         wheel cache (default: ${XDG_CACHE_HOME:-~/.cache}/hvdtrain)
 #   HVDTRAIN_DRY_RUN=1     print the steps that would run, change nothing
 set -euo pipefail
@@ -14,8 +20,18 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${HVDTRAIN_PYTHON:-python3}
 VENV=${HVDTRAIN_VENV:-$ROOT/.venv}
+# The interpreter and pip the steps use: the venv's (`install.sh wheel` uses HVDTRAIN_PYTHON's own).
+VPY=$VENV/bin/python
+VPIP=("$VENV/bin/pip")
 TORCH_VERSION=${HVDTRAIN_TORCH:-2.13.0}
 CUDA=${HVDTRAIN_CUDA:-}
+NO_MPI=${HVDTRAIN_WITHOUT_MPI:-0}
+# CUDA 13.0 from PyPI alone: NVIDIA's toolchain wheels unpack into one CUDA home, nvidia/cu13/{bin,
+# include,lib,nvvm} (nvcc, ptxas, cicc, cudart with its static library, CCCL, the crt headers).
+CUDA13_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+               nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88)
+# CUDA 13 builds for Turing (7.5) and newer, the architectures CUDA 13 still supports.
+CUDA13_CC_LIST=75,80,86,89,90,100,120
 HOROVOD_VERSION=0.28.1
 # Bump when the patches applied to the sdist change, so a cached wheel built without them is not reused.
 HOROVOD_RECIPE=r3
@@ -39,12 +55,12 @@ step() {
 }
 
 system_packages() {
-  local need=() cmds=(mpirun cmake g++ make)
+  local need=() cmds=(cmake g++ make) pkgs="cmake g++ make"
+  [ "$NO_MPI" = 1 ] || { cmds+=(mpirun); pkgs="libopenmpi-dev openmpi-bin $pkgs"; }
   for c in "${cmds[@]}"; do command -v "$c" >/dev/null 2>&1 || need+=("$c"); done
-  [ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include ] \
+  [ "$NO_MPI" = 1 ] || [ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include ] \
     || command -v mpicxx >/dev/null 2>&1 || need+=(mpi-headers)
   [ ${#need[@]} -eq 0 ] && return 0
-  local pkgs="libopenmpi-dev openmpi-bin cmake g++ make"
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "apt-get update" "Check that Debian's package mirror is reachable." apt-get update
     step "apt-get install $pkgs" "Install them by hand: apt-get install $pkgs" \
@@ -61,16 +77,84 @@ make_venv() {
     "$PY" -m venv "$VENV"
 }
 
+# The CUDA version a tag names: cu130 -> 13.0, cu126 -> 12.6.
+cuda_version() { local d=${1#cu}; echo "${d:0:${#d}-1}.${d: -1}"; }
+
+torch_index() {
+  if [ -n "${HVDTRAIN_TORCH_INDEX:-}" ]; then echo "$HVDTRAIN_TORCH_INDEX"
+  elif [ -n "$CUDA" ] && [ "$CUDA" != cu130 ]; then echo "https://download.pytorch.org/whl/$CUDA"
+  fi  # CPU, and cu130: pip's own indexes (PyPI's Linux torch is the CUDA 13.0 build)
+}
+
 install_torch() {
-  local have
-  have=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
-  case "$have" in "$TORCH_VERSION"|"$TORCH_VERSION"+*) return 0;; esac
-  local index=${HVDTRAIN_TORCH_INDEX:-}
-  [ -z "$index" ] && [ -n "$CUDA" ] && index="https://download.pytorch.org/whl/$CUDA"
-  local args=("torch==$TORCH_VERSION")
+  local have want=none
+  [ -n "$CUDA" ] && want=$(cuda_version "$CUDA")
+  have=$("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null || true)
+  case "$have" in "$TORCH_VERSION $want"|"$TORCH_VERSION"+*" $want") return 0;; esac
+  local index args=("torch==$TORCH_VERSION")
+  index=$(torch_index)
   [ -n "$index" ] && args+=(--index-url "$index")
   step "install torch $TORCH_VERSION${CUDA:+ ($CUDA)}" "Check HVDTRAIN_TORCH / HVDTRAIN_CUDA and that pip can reach the index." \
     "$VENV/bin/pip" install "${args[@]}"
+  [ "$DRY" = 1 ] && return 0
+  have=$("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
+  case "$have" in
+    *" $want") ;;
+    *) die "torch $have was installed, not a build for CUDA $want" \
+         "Set HVDTRAIN_TORCH_INDEX to an index with a CUDA $want build (https://download.pytorch.org/whl/$CUDA), or remove a local CPU wheel from pip's find-links (pip config list).";;
+  esac
+}
+
+# The CUDA home Horovod's kernels are compiled with. cu130 without HOROVOD_CUDA_HOME: NVIDIA's
+# toolchain wheels from PyPI, unpacked once into the cache; nvcc's profile looks for headers and
+# libraries under targets/x86_64-linux and FindCUDAToolkit for an unversioned libcudart.so, which
+# the wheels lay out differently, so a few links complete the tree.
+cuda_home() {
+  if [ -n "${HOROVOD_CUDA_HOME:-}" ]; then echo "$HOROVOD_CUDA_HOME"
+  elif [ "$CUDA" = cu130 ]; then echo "$CACHE/cuda-13.0/nvidia/cu13"
+  else echo /usr/local/cuda
+  fi
+}
+
+install_cuda_toolchain() {
+  [ -n "$CUDA" ] || return 0
+  local home
+  home=$(cuda_home)
+  if [ -n "${HOROVOD_CUDA_HOME:-}" ] || [ "$CUDA" != cu130 ]; then
+    [ "$DRY" = 1 ] || [ -x "$home/bin/nvcc" ] || die "no CUDA toolkit at $home (HVDTRAIN_CUDA=$CUDA)" \
+      "Set HOROVOD_CUDA_HOME to a CUDA $(cuda_version "$CUDA") toolkit, or use HVDTRAIN_CUDA=cu130, whose toolchain comes from PyPI."
+    return 0
+  fi
+  [ "$DRY" != 1 ] && [ -x "$home/bin/nvcc" ] && return 0
+  step "CUDA 13.0 toolchain from PyPI into $CACHE/cuda-13.0" "Check that pip can reach PyPI (nvidia-cuda-nvcc)." \
+    "${VPIP[@]}" install --no-deps --target "$CACHE/cuda-13.0" "${CUDA13_WHEELS[@]}"
+  [ "$DRY" = 1 ] && return 0
+  mkdir -p "$home/targets/x86_64-linux"
+  ln -sfn ../../include "$home/targets/x86_64-linux/include"
+  ln -sfn ../../lib "$home/targets/x86_64-linux/lib"
+  ln -sfn ../../lib "$home/targets/x86_64-linux/lib64"
+  ln -sfn lib "$home/lib64"
+  ln -sfn libcudart.so.13 "$home/lib/libcudart.so"
+  "$home/bin/nvcc" --version >>"$LOG" 2>&1 || die "the CUDA toolchain in $CACHE/cuda-13.0 does not run" "Remove that folder and rerun."
+}
+
+# Horovod's build environment for NCCL GPU operations: the CUDA home above and an NCCL. cu130 uses
+# torch's own NCCL (the nvidia-nccl-cu13 wheel torch depends on, so both load one libnccl.so.2),
+# linked as a shared library through a folder holding the unversioned name CMake looks for.
+gpu_build_env() {
+  local home nccl
+  home=$(cuda_home)
+  # CUDA_HOME: torch's cpp_extension, which Horovod's CMake asks for the CUDA library folders
+  # (cudart), looks there (else /usr/local/cuda).
+  GPU_ENV=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_WITH_GPU=1 "HOROVOD_CUDA_HOME=$home" "CUDA_HOME=$home")
+  [ "$CUDA" = cu130 ] && GPU_ENV+=("HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA13_CC_LIST}")
+  if [ -n "${HOROVOD_NCCL_HOME:-}" ] || [ "$CUDA" != cu130 ]; then return 0; fi
+  if [ "$DRY" = 1 ]; then nccl="<venv>/nvidia/nccl"
+  else nccl=$("$VPY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null) \
+    || die "torch's NCCL (nvidia-nccl-cu13) is not in $VENV" "Reinstall torch with HVDTRAIN_CUDA=cu130."
+  fi
+  GPU_ENV+=("HOROVOD_NCCL_INCLUDE=$nccl/include" "HOROVOD_NCCL_LIB=$1" HOROVOD_NCCL_LINK=SHARED)
+  [ "$DRY" = 1 ] || ln -sfn "$nccl/lib/libnccl.so.2" "$1/libnccl.so"
 }
 
 install_python_deps() {
@@ -81,17 +165,25 @@ install_python_deps() {
 # Cache key: everything the compiled extension depends on.
 horovod_key() {
   local pyv mpiv tv
-  pyv=$("$VENV/bin/python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
-  tv=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.replace("+", "_"))')
-  mpiv=$( (mpirun --version 2>/dev/null || echo unknown) | head -1 | awk '{print $NF}')
-  echo "horovod-$HOROVOD_VERSION$HOROVOD_RECIPE-$pyv-torch$tv-ompi$mpiv-${CUDA:-cpu}"
+  pyv=$("$VPY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+  tv=$("$VPY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
+  mpiv=$( (mpirun --version 2>/dev/null || echo unknown) | head -1 | awk '{print "ompi" $NF}')
+  [ "$NO_MPI" = 1 ] && mpiv=nompi
+  # An explicit architecture list (e.g. 90 alone for one kind of GPU) builds fewer kernels: its own key.
+  local cc=${HOROVOD_BUILD_CUDA_CC_LIST:+-sm${HOROVOD_BUILD_CUDA_CC_LIST//,/_}}
+  echo "horovod-$HOROVOD_VERSION$HOROVOD_RECIPE-$pyv-torch$tv-$mpiv-${CUDA:-cpu}${CUDA:+$cc}"
 }
 
 build_horovod_wheel() {
   local out=$1 work
   work=$(mktemp -d)
-  step "download horovod $HOROVOD_VERSION sdist" "Check that pip can reach PyPI." \
-    "$VENV/bin/pip" download --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+  if [ -n "${HVDTRAIN_HOROVOD_SDIST:-}" ]; then  # a carried copy, where no index is reachable
+    step "copy horovod $HOROVOD_VERSION sdist" "HVDTRAIN_HOROVOD_SDIST must name horovod-$HOROVOD_VERSION.tar.gz." \
+      cp "$HVDTRAIN_HOROVOD_SDIST" "$work/horovod-$HOROVOD_VERSION.tar.gz"
+  else
+    step "download horovod $HOROVOD_VERSION sdist" "Check that pip can reach PyPI." \
+      "${VPIP[@]}" download --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+  fi
   step "unpack sdist" "The download may be corrupt; remove $work and rerun." \
     tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
   # Horovod 0.28.1 compiles its PyTorch extension (and Gloo) as C++14, but PyTorch >= 2.1 headers
@@ -120,15 +212,20 @@ build_horovod_wheel() {
     grep -q 'set(USE_AVX ON)' "$work/horovod-$HOROVOD_VERSION/CMakeLists.txt" \
       || die "enable Gloo's AVX fp16 sum" "CMakeLists.txt has no add_subdirectory(third_party/gloo) line to patch."
   fi
-  local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1)
-  [ -n "$CUDA" ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_WITH_GPU=1)
+  local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1) mpi=HOROVOD_WITH_MPI=1
+  if [ -n "$CUDA" ]; then
+    mkdir -p "$work/nccl-link"
+    gpu_build_env "$work/nccl-link"
+    gpu_env=("${GPU_ENV[@]}")
+  fi
+  [ "$NO_MPI" = 1 ] && mpi=HOROVOD_WITHOUT_MPI=1
   # HOROVOD_WITH_PYTORCH=1 makes a failed extension build fatal instead of silently skipped;
   # --no-build-isolation lets CMake find the torch in this venv; CMAKE_POLICY_VERSION_MINIMUM lets
   # CMake >= 4 accept the bundled gloo/flatbuffers.
   step "build horovod wheel (2-4 minutes)" "Read the compiler errors in the log; Open MPI headers, cmake and g++ are needed." \
-    env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+    env HOROVOD_WITH_PYTORCH=1 "$mpi" HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
     HOROVOD_WITHOUT_MXNET=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 "${gpu_env[@]}" \
-    MAKEFLAGS="-j$(nproc)" "$VENV/bin/pip" wheel --no-build-isolation --no-deps -w "$work/dist" \
+    MAKEFLAGS="-j$(nproc)" "${VPIP[@]}" wheel --no-build-isolation --no-deps -w "$work/dist" \
     "$work/horovod-$HOROVOD_VERSION"
   if [ "$DRY" != 1 ]; then
     mkdir -p "$out" && cp "$work"/dist/horovod-*.whl "$out/"
@@ -161,12 +258,14 @@ install_hvdtrain() {
 }
 
 check_build() {
-  [ "$DRY" = 1 ] && { printf '[dry-run] check: horovodrun --check-build shows PyTorch, MPI, Gloo%s\n' "${CUDA:+, NCCL}"; return 0; }
+  [ "$DRY" = 1 ] && { printf '[dry-run] check: horovodrun --check-build shows PyTorch%s, Gloo%s\n' \
+    "$([ "$NO_MPI" = 1 ] || echo ', MPI')" "${CUDA:+, NCCL}"; return 0; }
   local out
   out=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build" "Horovod is broken; remove $CACHE and rerun."
   echo "$out" >>"$LOG"
-  local want=("PyTorch" "MPI" "Gloo")
-  [ -n "$CUDA" ] && want+=("NCCL")
+  local want=("PyTorch" "Gloo")
+  [ "$NO_MPI" = 1 ] || want+=("MPI")
+  [ -z "$CUDA" ] || want+=("NCCL")
   for w in "${want[@]}"; do
     echo "$out" | grep -Eq "\[X\] $w\$" || die "horovodrun --check-build: $w missing" "Remove $CACHE and rerun; the build log says why $w was skipped."
   done
@@ -175,10 +274,23 @@ check_build() {
 # What the Python steps depend on; when it matches the last good run they are skipped (seconds, not a minute).
 stamp() {
   cat "$ROOT/scripts/install.sh" "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16
-  echo "$TORCH_VERSION ${CUDA:-cpu} ${HVDTRAIN_TORCH_INDEX:-}"
+  echo "$TORCH_VERSION ${CUDA:-cpu} ${HVDTRAIN_TORCH_INDEX:-} mpi:$NO_MPI"
+}
+
+# install.sh wheel OUTDIR: only Horovod's wheel, built with HVDTRAIN_PYTHON's own packages (torch
+# already installed there; no venv, no downloads but the sdist unless HVDTRAIN_HOROVOD_SDIST names one).
+# scripts/gpu_check.sh uses it on a GPU machine whose versions differ from the carried wheel's.
+wheel_only() {
+  local out=${1:?usage: install.sh wheel OUTDIR}
+  VPY=$PY
+  VPIP=("$PY" -m pip)
+  "$VPY" -c 'import torch' 2>/dev/null || die "$PY cannot import torch" "Set HVDTRAIN_PYTHON to the interpreter with torch."
+  build_horovod_wheel "$out"
+  say "built $(ls "$out"/horovod-*.whl 2>/dev/null | head -1)"
 }
 
 main() {
+  if [ "${1:-}" = wheel ]; then shift; wheel_only "$@"; return; fi
   system_packages
   make_venv
   if [ "$DRY" != 1 ] && [ "$(cat "$VENV/.hvdtrain-stamp" 2>/dev/null)" = "$(stamp)" ] \
@@ -188,6 +300,7 @@ main() {
   fi
   install_torch
   install_python_deps
+  install_cuda_toolchain
   install_horovod
   install_hvdtrain
   check_build

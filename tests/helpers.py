@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -74,3 +75,18 @@ def crashing_fit(world, data, cfg: Config, seed: int, crash_at: int | None = Non
         return classification_loss(m, batch)
 
     return model, hvdtrain.fit(world, model, None, data, cfg, loss_fn=loss_fn)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def mpijob() -> dict:
+    """examples/mpijob.yaml, parsed."""
+    import yaml
+
+    return yaml.safe_load((EXAMPLES / "mpijob.yaml").read_text())
+
+
+def sbatch_lines(name: str) -> list[str]:
+    """examples/NAME's lines, continuation lines joined."""
+    return (EXAMPLES / name).read_text().replace("\\\n", " ").splitlines()

@@ -121,7 +121,13 @@ try: ip = socket.gethostbyname(name)
 except OSError: ip = None
 spec = iu.find_spec("hvdtrain")
 nic = sys.argv[2]
-print(json.dumps({"hostname": name, "ip": ip, "python": sys.version.split()[0], "executable": sys.executable,
+try:
+    from hvdtrain.tools import doctor
+    gpu = doctor.facts()
+except Exception as e:
+    gpu = {"error": str(e)}
+print(json.dumps({"gpu": gpu, "hostname": name, "ip": ip, "python": sys.version.split()[0],
+    "executable": sys.executable,
     "torch": v("torch"), "horovod": v("horovod"), "hvdtrain": spec.origin if spec else None,
     "cwd": os.path.isdir(sys.argv[1]), "nic": (not nic) or os.path.exists("/sys/class/net/" + nic),
     "nics": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []}))
@@ -165,11 +171,15 @@ def probe(host: str, local: bool, nic: str, ssh_port: int | None) -> dict:
         return {"error": f"unexpected probe output: {last_line(out.stdout)}"}
 
 
-def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str) -> list[str]:
-    """One line per problem on `host`, compared with the launcher's own facts `ref`."""
+def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str, slots: int | None = None) -> list[str]:
+    """One line per problem on `host`, compared with the launcher's own facts `ref`; the GPU
+    checks are `hvdtrain doctor`'s (hvdtrain/tools/doctor.py)."""
     if "error" in facts:
         return [f"host {host}: {facts['error']}"]
-    out = []
+    from hvdtrain.tools import doctor
+
+    gpu = facts.get("gpu") or {}
+    out = [f"host {host}: {line}" for line in ([] if "error" in gpu else doctor.problems(gpu, slots))]
     for key, what in (("python", "Python"), ("torch", "torch"), ("horovod", "Horovod")):
         if facts.get(key) != ref.get(key):
             out.append(f"host {host}: {what} {facts.get(key) or 'missing'}, launcher has {ref.get(key)}")
@@ -197,7 +207,8 @@ def preflight(hosts: list[Host], nic: str, controller: str, ssh_port: int | None
         ref_job = pool.submit(probe, "localhost", True, "", None)
         jobs = [pool.submit(probe, h.name, f, nic, ssh_port) for h, f in zip(hosts, flags)]
         ref = ref_job.result()
-        return [line for h, j in zip(hosts, jobs) for line in host_problems(h.name, j.result(), ref, nic, controller)]
+        return [line for h, j in zip(hosts, jobs)
+                for line in host_problems(h.name, j.result(), ref, nic, controller, h.slots)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -57,3 +57,36 @@ def test_cpu_branch_has_no_cuda_index_and_no_nccl(tmp_path):
 def test_explicit_torch_index_wins(tmp_path, cuda):
     lines = dry_run(tmp_path, HVDTRAIN_CUDA=cuda, HVDTRAIN_TORCH_INDEX="https://mirror.example/whl")
     assert step(lines, "install torch").endswith("--index-url https://mirror.example/whl")
+
+
+def test_cu130_comes_from_pypi_alone(tmp_path):
+    # PyPI's Linux torch is the CUDA 13.0 build, NVIDIA's CUDA 13.0 toolchain is on PyPI as wheels,
+    # and NCCL is torch's own nvidia-nccl-cu13: no other package source is needed.
+    lines = dry_run(tmp_path, HVDTRAIN_CUDA="cu130")
+    assert step(lines, "install torch").endswith("pip install torch==2.13.0")  # no --index-url
+    toolchain = step(lines, "CUDA 13.0 toolchain from PyPI")
+    assert f"--target {tmp_path}/cache/cuda-13.0" in toolchain
+    for wheel in ("nvidia-cuda-nvcc==13.0", "nvidia-cuda-runtime==13.0", "nvidia-cuda-cccl==13.0",
+                  "nvidia-cuda-crt==13.0", "nvidia-nvvm==13.0"):
+        assert wheel in toolchain, wheel
+    build = step(lines, "build horovod wheel")
+    assert f" HOROVOD_CUDA_HOME={tmp_path}/cache/cuda-13.0/nvidia/cu13 " in build
+    assert " HOROVOD_NCCL_INCLUDE=<venv>/nvidia/nccl/include " in build and " HOROVOD_NCCL_LINK=SHARED " in build
+    assert " HOROVOD_BUILD_CUDA_CC_LIST=75,80,86,89,90,100,120 " in build  # CUDA 13 dropped sm_70 and older
+    assert re.search(r"-cu130'/horovod-\*\.whl", step(lines, "install horovod wheel"))
+    assert step(lines, "check:").endswith("shows PyTorch, MPI, Gloo, NCCL")
+
+
+def test_a_cuda_12_tag_uses_pytorchs_index_and_the_machines_toolkit(tmp_path):
+    lines = dry_run(tmp_path, HVDTRAIN_CUDA="cu128", HOROVOD_CUDA_HOME="/opt/cuda-12.8")
+    assert step(lines, "install torch").endswith("--index-url https://download.pytorch.org/whl/cu128")
+    assert not [line for line in lines if "toolchain from PyPI" in line]
+    build = step(lines, "build horovod wheel")
+    assert " HOROVOD_CUDA_HOME=/opt/cuda-12.8 " in build and "HOROVOD_NCCL_LINK" not in build
+
+
+def test_without_mpi_builds_gloo_only(tmp_path):
+    lines = dry_run(tmp_path, HVDTRAIN_CUDA="cu130", HVDTRAIN_WITHOUT_MPI="1")
+    build = step(lines, "build horovod wheel")
+    assert " HOROVOD_WITHOUT_MPI=1 " in build and "HOROVOD_WITH_MPI=1" not in build
+    assert step(lines, "check:").endswith("shows PyTorch, Gloo, NCCL")
