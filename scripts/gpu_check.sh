@@ -110,11 +110,15 @@ install_carried() {
 }
 
 run() {
-  local py site=/tmp/hvdtrain-device-site
+  local py site
   py=$(python_with_torch)
-  export PYTHONPATH=$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   if ! "$py" -c 'import horovod.torch' 2>/dev/null; then
+    # Installed into a folder of this interpreter's own, put on the path only here.
+    site=/tmp/hvdtrain-device-site-$("$py" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+    rm -rf "$site"
     install_carried "$py" "$site" || exit 1
+    export PYTHONPATH=$PYTHONPATH:$site
   fi
   cd "$ROOT"
   exec "$py" -m hvdtrain.tools.gpu_check "$@"

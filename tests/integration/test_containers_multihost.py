@@ -63,11 +63,12 @@ def ssh_folder(tmp) -> str:
 
 
 def in_host(bed: dict, i: int, *podman_args: str, timeout: float = 300, check: bool = True):
-    """podman started inside testbed host i: with --network host a container shares that host's
-    network namespace (its address, its links); its /etc/hosts is the testbed's for that host."""
+    """A container in testbed host i: it joins that host's network namespace (its address, its
+    links; `ip netns exec` would also remount /sys, where runc then finds no cgroups), with its
+    hostname and the testbed's /etc/hosts for it."""
     hosts = f"/etc/netns/{HOSTS[i]}/hosts"
-    cmd = ["ip", "netns", "exec", HOSTS[i], str(ROOT / "scripts/container-base.sh"), "podman", *podman_args[:1],
-           "--network", "host", "--hostname", HOSTS[i], "--no-hosts", "-v", f"{hosts}:/etc/hosts:ro",
+    cmd = [str(ROOT / "scripts/container-base.sh"), "podman", *podman_args[:1], "--network",
+           f"ns:/run/netns/{HOSTS[i]}", "--hostname", HOSTS[i], "--no-hosts", "-v", f"{hosts}:/etc/hosts:ro",
            *podman_args[1:]]
     return run(cmd, timeout=timeout, check=check, env=bed["env"])
 

@@ -92,7 +92,7 @@ def image_facts(image: str) -> dict[str, str]:
     script = ("echo user=$(id -un) uid=$(id -u) home=$HOME workdir=$PWD;"
               " echo start_sshd=$(command -v start-sshd) digits=$(test -f configs/digits.yaml && echo yes);"
               " echo pmix=$(ompi_info --parsable 2>/dev/null | grep -ci pmix);"
-              " ssh -G anyhost | grep -E '^(port|stricthostkeychecking|userknownhostsfile) ' | sed 's/ /=ssh_/'")
+              " ssh -G anyhost | grep -E '^(port|stricthostkeychecking|userknownhostsfile) ' | sed 's/^/ssh_/; s/ /=/'")
     out = podman("run", "--rm", "--network", "none", image, "bash", "-c", script).stdout
     facts = dict(kv.split("=", 1) for kv in out.split())
     sshd = podman("run", "--rm", "--network", "none", "--user", "root", image, "bash", "-c",
