@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,16 @@ def _write_file(path: Path, write: Any) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for the user: `[Errno 28] No space left on device`, not a traceback. torch.save
+    wraps the OSError of a failed write in a RuntimeError whose text is the C++ one."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.strerror:
+            return f"{e.strerror}" if e.errno is None else f"[Errno {e.errno}] {e.strerror}"
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -88,9 +99,11 @@ class Checkpointer:
         return last or (step % self.cfg.every == 0 if self.cfg.every else end_of_epoch)
 
     def save(self, step: int, state: dict[str, Any], config: dict[str, Any],
-             rank_state: dict[str, Any] | None = None) -> Path:
+             rank_state: dict[str, Any] | None = None) -> Path | None:
         """Write `state` (rank 0's: the shared parts) and every rank's `rank_state` (per-rank parts)
-        as folder step_<step>. All ranks call."""
+        as folder step_<step>. All ranks call. A write that fails (a full disk, a lost mount) leaves
+        the previous checkpoint as `latest` and no temp folder; then `checkpoint.on_error` decides,
+        on every rank alike: stop raises CheckpointError, warn returns None and training goes on."""
         assert self.dir is not None
         ranks = self.world.allgather_object(rank_state or {}, name="hvdtrain.ckpt.ranks")
         final, error = self.dir / f"step_{step:08d}", ""
@@ -98,12 +111,19 @@ class Checkpointer:
             try:
                 self._write(final, {**state, "step": step, "format": FORMAT, "ranks": ranks, "config": config})
             except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
-                error = f"could not write checkpoint {final}: {exc}"
+                error = f"could not write checkpoint {final.name} in {self.dir} ({_reason(exc)})"
         # Agreed so a full disk on rank 0 stops all ranks together rather than leaving them waiting.
         error = self.world.broadcast_object(error, name="hvdtrain.ckpt.saved")
-        if error:
-            raise CheckpointError(error)
-        return final
+        if not error:
+            return final
+        latest = self.latest()
+        kept = f"the last good one, {latest.name}, is still `latest`" if latest else "there is no earlier checkpoint"
+        if self.cfg.on_error == "stop":
+            raise CheckpointError(f"{error}; {kept}; free space or set checkpoint.on_error=warn to train on")
+        if self.world.is_root:
+            print(f"hvdtrain: warning: step {step}: {error}; {kept}; training goes on (checkpoint.on_error=warn)",
+                  file=sys.stderr, flush=True)
+        return None
 
     def _write(self, final: Path, payload: dict[str, Any]) -> None:
         assert self.dir is not None
@@ -111,18 +131,26 @@ class Checkpointer:
         # Only rank 0 of one job writes here, so any temp folder is a leftover of a killed writer.
         for stale in self.dir.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        tmp.mkdir()
-        _write_file(tmp / STATE_FILE, lambda f: torch.save(payload, f))
-        text = json.dumps(payload["config"], indent=2, sort_keys=True).encode()
-        _write_file(tmp / "config.json", lambda f: f.write(text))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = self.dir / f".{LATEST}.tmp"
-        _write_file(pointer, lambda f: f.write(final.name.encode()))
-        os.replace(pointer, self.dir / LATEST)
+        tmp, pointer = self.dir / f".tmp-{final.name}-{os.getpid()}", self.dir / f".{LATEST}.tmp"
+        try:
+            tmp.mkdir()
+            _write_file(tmp / STATE_FILE, lambda f: torch.save(payload, f))
+            text = json.dumps(payload["config"], indent=2, sort_keys=True).encode()
+            _write_file(tmp / "config.json", lambda f: f.write(text))
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_file(pointer, lambda f: f.write(final.name.encode()))
+            os.replace(pointer, self.dir / LATEST)
+        except BaseException:
+            # Nothing half-written stays: not the temp folder (it would fill the disk further), not a
+            # folder that `latest` does not name (a resume would never pick it, pruning might keep it).
+            shutil.rmtree(tmp, ignore_errors=True)
+            pointer.unlink(missing_ok=True)
+            if self.latest() != final:
+                shutil.rmtree(final, ignore_errors=True)
+            raise
         _fsync_dir(self.dir)
         self._prune()
 

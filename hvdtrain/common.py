@@ -1,6 +1,6 @@
 """Small helpers the loop, the checkpoints, the memory probe and the benchmarks share: moving a batch
-to a device, its length, the process's random-number state, and what counts as out of memory.
-A leaf: it imports nothing from hvdtrain."""
+to a device, its length, the process's random-number state, what counts as out of memory and how a
+step's shape shrinks after one. A leaf: it imports nothing from hvdtrain but its errors."""
 
 from __future__ import annotations
 
@@ -79,3 +79,20 @@ def free_after_oom(model: nn.Module, device: torch.device) -> None:
 def num_samples(dataset: Any) -> int:
     """len(dataset): the loop takes map-style datasets (torch's Dataset type does not declare __len__)."""
     return len(dataset)
+
+
+def largest_divisor(n: int, at_most: float) -> int:
+    """The largest divisor of n that is at most `at_most` (1 at least)."""
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
+
+
+def shrink_after_oom(m: int, k: int, shrink: float) -> tuple[int, int]:
+    """(m', k') after an OOM at micro-batch m: the largest divisor of m·k at most `shrink`·m, and k
+    raised to keep m·k, so the global batch, the lr and the step's samples stay the same."""
+    if m == 1:
+        from hvdtrain.errors import TrainingStopped
+
+        raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
+                              "or more memory")
+    smaller = largest_divisor(m * k, min(m * shrink, m - 1))
+    return smaller, m * k // smaller

@@ -22,11 +22,13 @@ from hvdtrain.config_features import (  # noqa: F401 - re-exported: import secti
     PRECISIONS,
     AdaptiveConfig,
     ElasticConfig,
+    FaultsConfig,
     MemoryConfig,
     _at_least,
     _choice,
     check_combinations,
     parse_milestones,
+    parse_signals,
     parse_steps,
 )
 from hvdtrain.errors import ConfigError
@@ -133,9 +135,20 @@ class TrainConfig:
     shuffle: bool = True
     stop_after_skips: int = 0  # stop after this many consecutive non-finite steps; 0 = keep skipping
     stall_timeout: float = 1800.0  # seconds without progress before a rank stops the job; 0 = off
+    # retry: an OOM on any rank re-runs the step's samples on every rank at half the micro-batch and
+    # twice the accumulation (same global batch and lr), kept for the rest of the run; stop: it ends the run
+    # on every rank. Adaptive batch sizing always retries (its controller sizes micro-batches by what fits).
+    on_oom: str = "retry"
+    # Signals that stop training gracefully: every rank stops at the same step boundary, a
+    # checkpoint is written and the process exits with code 99 (hvdtrain.stop.EXIT_STOPPED). "" = none.
+    stop_signals: str = "SIGTERM,SIGUSR1"
+    stop_grace: float = 120.0  # seconds after the first stop signal before the process exits regardless
 
     def __post_init__(self) -> None:
         _at_least("train", "epochs", self.epochs, 1)
+        _choice("train", "on_oom", self.on_oom, ("retry", "stop"))
+        parse_signals(self.stop_signals)
+        _at_least("train", "stop_grace", self.stop_grace, 0)
         _at_least("train", "stop_after_skips", self.stop_after_skips, 0)
         _at_least("train", "stall_timeout", self.stall_timeout, 0)
         _at_least("train", "max_steps", self.max_steps, 0)
@@ -170,9 +183,12 @@ class CheckpointConfig:
     # "": start fresh; "latest": the newest checkpoint in `dir` (it must exist); "auto": the newest
     # if there is one (for requeued jobs); anything else: the path of one checkpoint folder.
     resume: str = ""
+    # A save that fails (a full disk): stop the run, or warn and train on (the last good one stays `latest`).
+    on_error: str = "stop"
 
     def __post_init__(self) -> None:
         _at_least("checkpoint", "every", self.every, 0)
+        _choice("checkpoint", "on_error", self.on_error, ("stop", "warn"))
         _at_least("checkpoint", "keep", self.keep, 1)
         if self.resume in ("latest", "auto") and not self.dir:
             raise ConfigError(f"checkpoint.resume={self.resume} needs checkpoint.dir (the folder to look in)")
@@ -207,6 +223,7 @@ class Config:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)

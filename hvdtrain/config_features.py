@@ -36,6 +36,20 @@ def parse_milestones(text: str) -> tuple[int, ...]:
     return steps
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
+
+
+def parse_signals(text: str) -> tuple[str, ...]:
+    """`"SIGTERM,SIGUSR1"` -> ("SIGTERM", "SIGUSR1"); ConfigError names train.stop_signals."""
+    names = tuple(t.strip().upper() for t in text.split(",") if t.strip())
+    names = tuple(n if n.startswith("SIG") else "SIG" + n for n in names)
+    bad = [n for n in names if n not in STOP_SIGNALS]
+    if bad:
+        raise ConfigError(f"train.stop_signals={text!r}: {bad[0]} is not allowed; "
+                          f"choose from {', '.join(STOP_SIGNALS)}")
+    return names
+
+
 def parse_steps(text: str) -> tuple[int, int]:
     """`"5-7"` or `"5"` -> first and last step (1-based, inclusive); ConfigError names memory.trace_steps."""
     first, _, last = text.partition("-")
@@ -96,25 +110,34 @@ class AdaptiveConfig:
     memory_fraction: float = 0.8  # share of available (CPU) or total (GPU) memory the probe may plan for
     probe_margin: float = 0.1  # predicted largest m is scaled down by this before it is verified
     oom_shrink: float = 0.9  # after an OOM, m becomes the largest divisor of m x k that is <= this x m
-    inject_oom_above: int = 0  # testing: raise an OOM on a micro-batch larger than this; 0 = off
-    inject_oom_rank: int = -1  # testing: only on this rank (-1 = every rank)
-    inject_oom_step: int = 0  # testing: only from this optimizer step on (the probe counts as step 0)
-    inject_oom_in: str = "backward"  # testing: forward | backward (mid-backward, after some buckets left)
 
     def __post_init__(self) -> None:
         _choice("adaptive", "lr_rule", self.lr_rule, ADAPTIVE_LR_RULES)
         _choice("adaptive", "policy", self.policy, ADAPTIVE_POLICIES)
-        _choice("adaptive", "inject_oom_in", self.inject_oom_in, OOM_PHASES)
-        for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb",
-                     "inject_oom_above", "inject_oom_step"):
+        for name in ("max_batch", "max_micro_batch", "warmup_steps", "norm_test", "memory_budget_mb"):
             _at_least("adaptive", name, getattr(self, name), 0)
         _at_least("adaptive", "decide_every", self.decide_every, 1)
-        _at_least("adaptive", "inject_oom_rank", self.inject_oom_rank, -1)
         _at_least("adaptive", "max_growth", self.max_growth, 1.0)
         _at_least("adaptive", "hysteresis", self.hysteresis, 0.0)
         for name in ("smoothing", "memory_fraction", "probe_margin", "oom_shrink"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"adaptive.{name}={getattr(self, name)!r} must be between 0 and 1 (exclusive)")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Testing switches (hvdtrain/faults.py): faults injected on purpose, to see what the toolkit does."""
+
+    oom_above: int = 0  # a real torch.OutOfMemoryError on micro-batches larger than this; 0 = off
+    oom_rank: int = -1  # only on this rank (-1 = every rank)
+    oom_step: int = 0  # only from this optimizer step on (0-based; the memory probe counts as step 0)
+    oom_in: str = "backward"  # forward | backward (mid-backward, after some buckets may have left)
+
+    def __post_init__(self) -> None:
+        _choice("faults", "oom_in", self.oom_in, OOM_PHASES)
+        for name in ("oom_above", "oom_step"):
+            _at_least("faults", name, getattr(self, name), 0)
+        _at_least("faults", "oom_rank", self.oom_rank, -1)
 
 
 @dataclass(frozen=True)

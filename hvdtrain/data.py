@@ -69,10 +69,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def reshape(self, micro_batch: int, accumulation: int) -> None:
         """Micro-batch m and accumulation k from the next step on (B = ranks x m x k); only a sampler
-        made with `variable=True` (adaptive batch sizing) changes shape."""
-        assert self.variable, "a fixed-batch sampler keeps its shape"
+        made with `variable=True` (adaptive batch sizing) changes its global batch."""
+        assert self.variable, "a fixed-batch sampler keeps its global batch (split changes micro-batches)"
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.global_batch = self.world.size * micro_batch * accumulation
+
+    def split(self, micro_batch: int) -> None:
+        """Micro-batches of at most `micro_batch` for the same global batch (after an OOM)."""
+        self.micro_batch = micro_batch
+        self.resize(self.world)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -15,6 +15,7 @@ and elastic commits share.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +33,15 @@ from hvdtrain.common import batch_len, num_samples, seed_everything, to_device
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader
 from hvdtrain.errors import TrainingStopped
+from hvdtrain.faults import FaultInjector
 from hvdtrain.metrics import MetricSums, TrainLog
 from hvdtrain.optim import LRSchedule, build_optimizer
 from hvdtrain.policy import BatchPolicy, FixedBatch
 from hvdtrain.precision import Precision
 from hvdtrain.profile.memory import MemoryProfiler
 from hvdtrain.state import OptimizerState, RngState, Session
-from hvdtrain.step import LossFn, Outcome, classification_loss, train_step
+from hvdtrain.step import LossFn, Outcome, StepFlags, classification_loss, train_step
+from hvdtrain.stop import StopSignals
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
 
@@ -51,6 +54,7 @@ class FitResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
     skipped: int = 0  # optimizer steps skipped because the averaged gradient was not finite
+    stopped: bool = False  # a stop signal ended the run early (hvdtrain/stop.py): exit EXIT_STOPPED
 
 
 def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, batch_size: int) -> dict[str, float]:
@@ -121,6 +125,8 @@ class _Run:
     ckpt: Checkpointer
     memprof: MemoryProfiler
     watchdog: Watchdog
+    flags: StepFlags
+    injector: FaultInjector
 
     @classmethod
     def build(cls, world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
@@ -131,12 +137,17 @@ class _Run:
         model.to(world.device)
         if cfg.memory.activation_checkpointing:
             checkpoint_blocks(model)
+        stop = StopSignals(cfg.train.stop_signals, cfg.train.stop_grace, world.rank)
+        cleanup.callback(stop.close)
+        injector = FaultInjector(cfg.faults, world.rank)
+        injector.attach(model)
+        cleanup.callback(injector.detach)
         codecs = codec_choice(world, cfg.comm.compression, cfg.comm.auto_steps)
         reducer = _reducer(world, model, cfg, codecs.initial)
         cleanup.callback(reducer.remove)
         optimizer = optimizer or build_optimizer(model, cfg.optim)
         stepped, clip = reducer.prepare_optimizer(optimizer, cfg.optim.clip_grad_norm)
-        policy = _policy(world, cfg, model, stepped, reducer, sampler, train_set, loss_fn)
+        policy = _policy(world, cfg, model, stepped, reducer, sampler, train_set, loss_fn, injector)
         cleanup.callback(policy.close)
         precision = Precision.from_config(cfg.memory, world.device)
         registry = session.registry  # the one list of what a checkpoint saves and an elastic commit keeps
@@ -149,7 +160,8 @@ class _Run:
         watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
         cleanup.callback(watchdog.stop)
         return cls(world, cfg, model, stepped, clip, reducer, codecs, sampler, policy, precision, loss_fn, eval_set,
-                   session, Checkpointer(cfg.checkpoint, world), memprof, watchdog)
+                   session, Checkpointer(cfg.checkpoint, world), memprof, watchdog,
+                   StepFlags(world, lambda: stop.requested), injector)
 
 
 def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedBuckets:
@@ -160,14 +172,14 @@ def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedB
 
 
 def _policy(world: World, cfg: Config, model: nn.Module, optimizer: Any, reducer: HookedBuckets,
-            sampler: ShardedBatchSampler, train_set: Dataset, loss_fn: LossFn) -> BatchPolicy:
+            sampler: ShardedBatchSampler, train_set: Dataset, loss_fn: LossFn, injector: FaultInjector) -> BatchPolicy:
     if not cfg.adaptive.enabled:
-        return FixedBatch(sampler, train_set)
+        return FixedBatch(sampler, train_set, injector, cfg.train.on_oom)
     # Imported here: the probe, the statistics and the goodput model load only for adaptive runs.
     from hvdtrain.adaptive.controller import AdaptiveController
 
     assert isinstance(reducer, GradReducer)  # the config refuses adaptive batch sizing with ZeRO
-    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn)
+    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, injector)
 
 
 def _train(r: _Run) -> FitResult:
@@ -183,7 +195,7 @@ def _train(r: _Run) -> FitResult:
     result = FitResult(step=step, epoch=r.sampler.epoch, history=log.run.history, checkpoint=resumed)
     seconds, skips_in_a_row = None, 0
     for epoch in range(r.sampler.epoch, tc.epochs):
-        if r.policy.progress(step) >= total:
+        if result.stopped or r.policy.progress(step) >= total:
             break
         r.sampler.set_epoch(epoch)
         for micro_batches in r.policy.batches():
@@ -198,30 +210,44 @@ def _train(r: _Run) -> FitResult:
             samples = r.sampler.global_batch
             r.sampler.advance(samples)
             r.policy.after_step(step, log)  # a new batch size takes effect from the next step
-            done, end_of_epoch = r.policy.progress(step) >= total, r.sampler.epoch_done
+            result.stopped = r.flags.stop  # a stop signal on any rank, known to all at this step
+            done, end_of_epoch = result.stopped or r.policy.progress(step) >= total, r.sampler.epoch_done
             if end_of_epoch:
                 r.sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
             log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
             r.memprof.record(step, log, step % r.cfg.log.every == 0 or done or end_of_epoch)
-            if r.eval_set is not None and (r.policy.eval_due(step, tc.eval_every) if tc.eval_every
-                                           else end_of_epoch or done):
-                # The micro-batch in force fits with a backward (an adaptive run's grows from a start
-                # that can be 30x smaller than the user's batch).
-                result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch)
-                log.evaluated(step, epoch, tc.epochs, result.eval)
-            if r.ckpt.due(step, end_of_epoch, done):
-                registry = r.session.registry
-                result.checkpoint = str(r.ckpt.save(step, registry.state_dict(), r.cfg.to_dict(),
-                                                    registry.rank_state_dict()))
+            _evaluate_and_save(r, log, result, step, epoch, end_of_epoch, done)
             r.session.step_done(step, done)
             if done:
                 break
     r.policy.finish()
     r.memprof.finish(log, step)
-    log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped)
+    log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped, stopped=result.stopped)
+    if result.stopped:
+        # Every rank says so: cluster logs show that all of them stopped at the same step.
+        print(f"hvdtrain: rank {r.world.rank}: stopped at step {step} on a stop signal; checkpoint "
+              f"{result.checkpoint}; resume with --resume auto", file=sys.stderr, flush=True)
     log.close()
     result.step, result.epoch = step, r.sampler.epoch
     return result
+
+
+def _evaluate_and_save(r: _Run, log: TrainLog, result: FitResult, step: int, epoch: int, end_of_epoch: bool,
+                       done: bool) -> None:
+    """Evaluation and the checkpoint, when due (decided by step, config and agreed flags alone, so
+    the same on every rank). A stop skips evaluation: a preempted job's grace period is short."""
+    tc = r.cfg.train
+    due = r.policy.eval_due(step, tc.eval_every) if tc.eval_every else end_of_epoch or done
+    if r.eval_set is not None and due and not result.stopped:
+        # The micro-batch in force fits with a backward (an adaptive run's grows from a start that
+        # can be 30x smaller than the user's batch).
+        result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch)
+        log.evaluated(step, epoch, tc.epochs, result.eval)
+    if r.ckpt.due(step, end_of_epoch, done):
+        registry = r.session.registry
+        saved = r.ckpt.save(step, registry.state_dict(), r.cfg.to_dict(), registry.rank_state_dict())
+        log.event(step, "checkpoint", path=str(saved) if saved else None, saved=saved is not None)
+        result.checkpoint = str(saved) if saved else result.checkpoint  # warn: the last good one stays
 
 
 def _restore(r: _Run) -> tuple[int, str | None]:
@@ -246,19 +272,27 @@ def _step(r: _Run, micro_batches: list[Any], sums: MetricSums, step: int) -> boo
     def beat(phase: str, collective: bool) -> None:
         r.watchdog.beat(phase, step, collective)
 
+    r.injector.begin_step(step)
     while True:
         outcome = train_step(r.model, r.optimizer, r.reducer, micro_batches, r.loss_fn, sums, r.clip, r.world.device,
-                             beat, r.sampler.global_batch / r.world.size, r.precision, r.policy.hooks)
+                             beat, r.sampler.global_batch / r.world.size, r.precision, r.policy.hooks, r.flags)
         if outcome is not Outcome.RETRY:
             return outcome is Outcome.STEPPED
-        micro_batches = r.policy.retry_after_oom()
+        if r.flags.local_oom:  # the rank to look at, in the cluster's logs
+            print(f"hvdtrain: rank {r.world.rank}: out of memory at step {step + 1} "
+                  f"(micro-batch {r.sampler.micro_batch})", file=sys.stderr, flush=True)
+        micro_batches = r.policy.retry_after_oom(step + 1)
 
 
 def _skipped(r: _Run, log: TrainLog, result: FitResult, step: int, in_a_row: int) -> int:
     """Count and log a skipped step; stop after `train.stop_after_skips` in a row. Every rank saw
     the same reduced gradient, so every rank gets here (and raises) at the same step."""
     result.skipped += 1
-    log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped, **r.precision.report())
+    report = r.precision.report()
+    log.event(step, "skip", reason="non-finite averaged gradient", skipped=result.skipped, **report)
+    scale = f"; fp16 loss scale now {report['loss_scale']:g}" if "loss_scale" in report else ""
+    log.bar.write(f"hvdtrain: step {step} skipped on every rank: the averaged gradient is not finite "
+                  f"(inf/NaN in some rank's gradient{scale}); {result.skipped} skipped so far")
     limit = r.cfg.train.stop_after_skips
     if limit and in_a_row >= limit:
         raise TrainingStopped(f"stopped at step {step}: {in_a_row} steps in a row had a non-finite averaged "

@@ -136,6 +136,13 @@ class TrainLog:
         self.bar = Progress(world, total, initial, cfg.progress)
         self.last: dict[str, float] = {}
         self._clock, self._since = time.perf_counter(), 0
+        self._said: set[str] = set()  # keys of the console notes said once per run
+
+    def say_once(self, key: str, line: str) -> None:
+        """Print `line` on rank 0 the first time `key` comes up in this run; later ones are silent."""
+        if key not in self._said:
+            self._said.add(key)
+            self.bar.write(line)
 
     def train_step_done(self, step: int, samples: int, boundary: bool, **extra: Any) -> None:
         """Count one optimizer step of `samples` (global); average and write when due."""

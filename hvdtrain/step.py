@@ -9,6 +9,7 @@ values every rank holds alike after that wait, so ranks cannot diverge on it.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from hvdtrain.common import batch_len, free_after_oom, is_oom, to_device
 from hvdtrain.metrics import MetricSums
 from hvdtrain.precision import Precision
 from hvdtrain.profile.nvtx import nvtx_range
+from hvdtrain.world import World
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -39,11 +41,48 @@ class Outcome(enum.Enum):
     RETRY = "retry"  # some rank ran out of memory: every rank runs the same samples again
 
 
+class StepFlags:
+    """What every rank must know of every rank after each attempt at a step: a stop was asked for
+    (a signal on any rank, hvdtrain/stop.py), a rank ran out of memory. One named allreduce of two
+    fp32 values with Average, started just before the gradient wait: Horovod fuses it with the last
+    uncompressed bucket (under a compressed codec it is a small round of its own). One rank: no
+    collective."""
+
+    NAME = "hvdtrain.step.flags"
+
+    def __init__(self, world: World, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        self.world, self.stop_requested = world, stop_requested
+        self.stop = self.oom = False  # the last attempt's, the same on every rank
+        self._handle: Any = None
+        self._local = (False, False)
+
+    def start(self, oom: bool) -> None:
+        """All ranks call, before waiting on the gradient buckets."""
+        self._local = (self.stop_requested(), oom)
+        if self.world.size > 1:
+            values = torch.tensor([float(v) for v in self._local], dtype=torch.float32)
+            self._handle = self.world.allreduce_async(values, name=self.NAME, op="average")
+
+    @property
+    def local_oom(self) -> bool:
+        """This rank ran out of memory in the last attempt."""
+        return self._local[1]
+
+    def collect(self) -> None:
+        """After the bucket wait (by then the fused round is done): set `stop` and `oom`."""
+        if self._handle is None:
+            self.stop, self.oom = self._local
+            return
+        total = self.world.wait(self._handle) * self.world.size  # flags summed over ranks
+        self._handle = None
+        self.stop, self.oom = bool(total[0] > 0.5), bool(total[1] > 0.5)
+
+
 class StepHooks:
     """What a batch policy adds to each attempt at a step; this base adds nothing. Every method is
     called on every rank at the same point of the attempt."""
 
-    survives_oom = False  # True: an OOM in forward/backward is caught, and the attempt still syncs
+    survives_oom = False  # True: an OOM in forward/backward is caught, and the attempt still syncs (NaN)
 
     def attempt_begins(self) -> None:
         """Before the attempt's first micro-batch."""
@@ -53,10 +92,15 @@ class StepHooks:
 
     def before_sync(self, reducer: HookedBuckets, oom: bool) -> None:
         """After the last backward (or an OOM on this rank), before waiting on the gradient buckets:
-        collectives started here are negotiated with the buckets."""
+        collectives started here are negotiated with the buckets. A rank that ran out of memory
+        sends NaN in the buckets it has left, so its peers' collectives complete and no partial
+        gradient can ever be applied."""
+        if oom:
+            reducer.launch_rest(fill=math.nan)
 
     def after_sync(self, reducer: HookedBuckets, finite: bool) -> Outcome:
-        """The verdict, from the reducer's `finite` (the same on every rank)."""
+        """The verdict, from the reducer's `finite` (the same on every rank); an OOM on any rank
+        turns it into RETRY whatever this says."""
         return Outcome.STEPPED if finite else Outcome.SKIPPED
 
 
@@ -70,14 +114,18 @@ def _no_beat(phase: str, collective: bool) -> None:
 def train_step(model: nn.Module, optimizer: Any, reducer: HookedBuckets, micro_batches: list[Any],
                loss_fn: LossFn, sums: MetricSums, clip: float, device: torch.device,
                beat: Callable[[str, bool], None] = _no_beat, rank_samples: float | None = None,
-               precision: Precision | None = None, hooks: StepHooks = NO_HOOKS) -> Outcome:
+               precision: Precision | None = None, hooks: StepHooks = NO_HOOKS,
+               flags: StepFlags | None = None) -> Outcome:
     """One attempt at an optimizer step over k micro-batches; the reducer averages gradients as the
-    k-th backward produces them. SKIPPED leaves weights and optimizer state alone; RETRY also leaves
-    `sums` alone. All ranks must call.
+    k-th backward produces them. SKIPPED leaves weights and optimizer state alone; RETRY (some rank
+    ran out of memory, known to all through `flags`) also leaves `sums` and the loss scale alone.
+    All ranks must call.
 
     `rank_samples` (global batch / ranks): each micro-batch's mean loss is weighted by its size over
     it, which keeps the average exact when shares are uneven; None: equal micro-batches, weight 1/k."""
     precision = precision or _FP32
+    if hooks.survives_oom and flags is None:
+        raise ValueError("hooks that survive an OOM need StepFlags: every rank must learn of it")
     hooks.attempt_begins()
     losses, oom = [], False
     try:
@@ -100,11 +148,16 @@ def train_step(model: nn.Module, optimizer: Any, reducer: HookedBuckets, micro_b
         free_after_oom(model, device)
     beat("gradient allreduce (hvdtrain.grad.*)", True)
     hooks.before_sync(reducer, oom)
+    if flags is not None:
+        flags.start(oom)
     with nvtx_range("allreduce wait"):
-        outcome = hooks.after_sync(reducer, reducer.synchronize())
-    if outcome is Outcome.RETRY:
+        finite = reducer.synchronize()
+    if flags is not None:
+        flags.collect()
+    outcome = hooks.after_sync(reducer, finite)
+    if flags is not None and flags.oom:
         reducer.zero_grad(optimizer)
-        return outcome
+        return Outcome.RETRY
     for loss, batch_sums, n in losses:
         sums.add(loss, batch_sums, n)
     # Horovod's mixed-precision order: synchronize, then unscale, clip and step without re-reducing.

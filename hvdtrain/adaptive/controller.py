@@ -28,13 +28,14 @@ from hvdtrain import optim
 from hvdtrain.adaptive import goodput
 from hvdtrain.adaptive.decision import PendingDecision
 from hvdtrain.adaptive.gns import GradNormMeter, NoiseScale
-from hvdtrain.adaptive.probe import FaultInjector, Prober, probe, shrink_after_oom
+from hvdtrain.adaptive.probe import Prober, probe
 from hvdtrain.adaptive.stats import StepStats
 from hvdtrain.comm.reducer import GradReducer
-from hvdtrain.common import num_samples
+from hvdtrain.common import num_samples, shrink_after_oom
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
 from hvdtrain.errors import ConfigError
+from hvdtrain.faults import FaultInjector
 from hvdtrain.metrics import TrainLog
 from hvdtrain.optim import LRSchedule
 from hvdtrain.state import Resumable
@@ -49,7 +50,8 @@ class AdaptiveController(StepHooks):
     survives_oom = True
 
     def __init__(self, world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 reducer: GradReducer, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: LossFn) -> None:
+                 reducer: GradReducer, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: LossFn,
+                 injector: FaultInjector | None = None) -> None:
         ac, tc = cfg.adaptive, cfg.train
         self.world, self.cfg, self.ac = world, cfg, ac
         self.model, self.optimizer, self.sampler, self.dataset = model, optimizer, sampler, dataset
@@ -66,9 +68,8 @@ class AdaptiveController(StepHooks):
         self.milestones = parse_milestones(cfg.optim.milestones) if ac.policy == "decay_to_batch" else ()
         self.noise = NoiseScale(ac.smoothing, self.base)
         self.times = goodput.StepTimeModel({})
-        self.injector = FaultInjector(ac, world.rank)
-        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition,
-                                   on_grad=self._maybe_inject_in_backward)
+        self.injector = injector or FaultInjector(cfg.faults, world.rank)
+        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
         self.reducer = reducer
         reducer.hold_last_bucket()  # backward's last bucket: an OOM can always poison it
         if self.meter.use_buckets(reducer.buckets):
@@ -101,6 +102,7 @@ class AdaptiveController(StepHooks):
     def close(self) -> None:
         """Detach the norm meter's hooks (on every exit path of the loop)."""
         self.meter.remove()
+        self.injector.detach()
 
     def set_shape(self, m: int, k: int) -> None:
         self.m, self.k = m, k
@@ -159,12 +161,7 @@ class AdaptiveController(StepHooks):
     def micro_batch_begins(self, j: int) -> None:
         self.clock.micro_batch_begins()
         self.meter.next_micro_batch()
-        self.injector.check(self.m, "forward")
-
-    def _maybe_inject_in_backward(self, fired: int) -> None:
-        # Mid-backward, after the reducer may already have launched the first buckets.
-        if fired == max(1, len(self.meter.params) // 2):
-            self.injector.check(self.m, "backward")
+        self.injector.micro_batch_begins(self.m)
 
     def before_sync(self, reducer: Any, oom: bool) -> None:
         """Start the stats allreduce (hvdtrain/adaptive/stats.py) beside the gradient buckets; a rank
@@ -183,18 +180,16 @@ class AdaptiveController(StepHooks):
             reducer.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
         local = 0.0 if oom else self.meter.local_sum(1.0 / self.k)
         self.meter.active = False
-        self._stats_handle = self.stats.start(local, oom, compute, self.clock.sync, self.clock.rest)
+        self._stats_handle = self.stats.start(local, compute, self.clock.sync, self.clock.rest)
 
     def after_sync(self, reducer: Any, finite: bool) -> Outcome:
-        """Settle the stats: RETRY if any rank ran out of memory (every rank sees its flag alike)."""
+        """Settle the stats (applied a step later, or now if the average is not finite)."""
         self.clock.sync_done()
         g2 = self.meter.global_sq(reducer.flats()) if finite and self.meter.settled else None
-        ok = self.stats.settle(self._stats_handle, finite, g2, self.m, self.k)
-        if self.stats.oom:
-            return Outcome.RETRY
-        return Outcome.STEPPED if ok else Outcome.SKIPPED
+        self.stats.settle(self._stats_handle, finite, g2, self.m, self.k)
+        return Outcome.STEPPED if finite else Outcome.SKIPPED
 
-    def retry_after_oom(self) -> list[Any]:
+    def retry_after_oom(self, step: int) -> list[Any]:
         """A smaller m and a larger k for the same samples (same B, so the same lr); this rank's new
         micro-batches. Every rank calls after the same RETRY."""
         m, k = shrink_after_oom(self.m, self.k, self.ac.oom_shrink)
@@ -207,7 +202,6 @@ class AdaptiveController(StepHooks):
     def after_step(self, step: int, log: TrainLog) -> None:
         """Advance τ, log, and on decision steps take rank 0's decision. All ranks must call, right
         after the sampler has counted the step's samples."""
-        self.injector.step = step
         self._samples_before, self.samples = self.samples, self.samples + self.batch
         phi = self.noise.phi
         r = goodput.gain(phi, self.batch, self.base)

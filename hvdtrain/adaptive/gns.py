@@ -15,7 +15,7 @@ noise scale φ = tr(Σ)/|G|² is taken from the averages.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ class GradNormMeter:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 precondition: bool, on_grad: Callable[[int], None] | None = None) -> None:
+                 precondition: bool) -> None:
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for p in params:  # trainable, tied weights once
@@ -143,8 +143,6 @@ class GradNormMeter:
         self.precondition = precondition and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         self.scale: dict[int, torch.Tensor] = {}
         self.active = False
-        self.on_grad = on_grad  # fault injection: called with the number of hooks fired in this micro-batch
-        self._fired = 0
         self._parts: list[torch.Tensor] = []  # per-tensor norms of the running micro-batch
         self._segment: torch.Tensor | None = None  # the preconditioner's element -> tensor index
         self._micro: list[torch.Tensor] = []
@@ -185,9 +183,6 @@ class GradNormMeter:
         def hook(grad: torch.Tensor) -> None:
             if not self.active:
                 return
-            self._fired += 1
-            if self.on_grad is not None:
-                self.on_grad(self._fired)
             if self.flat:
                 return  # measured on the reducer's bucket instead
             g = grad.detach()
@@ -220,13 +215,13 @@ class GradNormMeter:
             self._refresh_at = self._steps + min(REFRESH_MAX, 1 + self._steps // 20)
         self.flat = self.buckets is not None and micro_batches == 1
         self._steps += 1
-        self._micro, self._parts, self._fired, self.active = [], [], 0, True
+        self._micro, self._parts, self.active = [], [], True
 
     def next_micro_batch(self) -> None:
         """Close the running micro-batch (if any) before the next backward."""
         if self._parts:
             self._micro.append(_sum_sq(self._parts))
-        self._parts, self._fired = [], 0
+        self._parts = []
 
     def local_sum(self, grad_scale: float) -> float:
         """Σ_j |g_j|² over this step's micro-batches; each hook saw g_j · grad_scale (the 1/k of

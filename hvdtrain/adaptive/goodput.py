@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvdtrain.common import largest_divisor
 from hvdtrain.errors import ConfigError
 
 
@@ -267,10 +268,6 @@ def reshape(batch: int, ranks: int, at_most: float, min_k: int, max_batch: int) 
     per_rank = max(min_k, min(round(batch / ranks), max_batch // ranks))
     m = largest_divisor(per_rank, min(at_most, per_rank / min_k))
     return m, per_rank // m
-
-
-def largest_divisor(n: int, at_most: float) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(at_most, 1))
 
 
 def decayed_batch(lim: Limits, gamma: float, decays: int) -> tuple[int, int]:

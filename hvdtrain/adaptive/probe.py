@@ -1,13 +1,13 @@
-"""Memory: what counts as an OOM, the CPU fault-injection switch, and the probe that finds the largest
-micro-batch that fits and the smallest one that runs (almost) as fast per sample as the best.
+"""The memory probe: the largest micro-batch that fits and the smallest one that runs (almost) as
+fast per sample as the best.
 
 The probe runs before step 1 on every rank together: optimizer state is materialised first (a size
 found without it OOMs at the first real step), memory is measured at two micro-batch sizes and
 fitted as mem(m) = a + c·m, the predicted largest m (less a safety margin) is verified with a real
 step and bisected on failure. Ranks agree with a MIN allreduce. On GPU memory is the allocator's
 peak and an OOM is real; on CPU it is what the step holds (parameters, gradients, optimizer state and
-the tensors autograd saves for backward) against a budget, and the injection switch raises a real
-`torch.OutOfMemoryError` so the failure path runs on CPU too.
+the tensors autograd saves for backward) against a budget, and the fault injector
+(hvdtrain/faults.py) raises a real `torch.OutOfMemoryError` so the failure path runs on CPU too.
 """
 
 from __future__ import annotations
@@ -22,41 +22,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from hvdtrain.adaptive.goodput import largest_divisor
 from hvdtrain.common import free_after_oom, is_oom, num_samples, rng_state, set_rng_state, to_device
 from hvdtrain.config import AdaptiveConfig
-from hvdtrain.errors import TrainingStopped
+from hvdtrain.faults import FaultInjector
 from hvdtrain.world import World
-
-
-def shrink_after_oom(m: int, k: int, shrink: float) -> tuple[int, int]:
-    """(m', k') after an OOM at micro-batch m: the largest divisor of m·k at most `shrink`·m, and k
-    raised to keep m·k, so the global batch, the lr and the step's samples stay the same."""
-    if m == 1:
-        raise TrainingStopped("out of memory with a micro-batch of 1 sample on some rank; use a smaller model "
-                              "or more memory")
-    smaller = largest_divisor(m * k, min(m * shrink, m - 1))
-    return smaller, m * k // smaller
-
-
-class FaultInjector:
-    """Testing switch: an OOM on micro-batches larger than `inject_oom_above`, on one rank or all,
-    from a given step on. `step` is set by the controller; the probe runs at step 0."""
-
-    def __init__(self, cfg: AdaptiveConfig, rank: int) -> None:
-        self.above, self.phase = cfg.inject_oom_above, cfg.inject_oom_in
-        self.here = cfg.inject_oom_above > 0 and cfg.inject_oom_rank in (-1, rank)
-        self.from_step, self.step = cfg.inject_oom_step, 0
-        self.raised = 0
-
-    def check(self, micro_batch: int, phase: str | None = None) -> None:
-        """Raises the injected OOM if armed for `phase`; None (the probe, which times forward and
-        backward as one measurement) matches either phase."""
-        if (self.here and phase in (None, self.phase) and micro_batch > self.above
-                and self.step >= self.from_step):
-            self.raised += 1
-            raise torch.OutOfMemoryError(f"injected OOM: micro-batch {micro_batch} > adaptive.inject_oom_above="
-                                         f"{self.above} at step {self.step}")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The adaptive controller's per-step statistics: one allreduce (never compressed) of [Σ local
-|g_j|², OOM flag, compute s, previous step's sync s and rest s], started with the gradient buckets
-and collected a step later.
+|g_j|², compute s, previous step's sync s and rest s], started with the gradient buckets and
+collected a step later. (Whether a rank ran out of memory travels in the loop's StepFlags.)
 
 It travels as fp32 with Horovod's Average, like the uncompressed gradient buckets: Horovod fuses
 tensors of one dtype and op negotiated in one cycle, so it rides in the last bucket's allreduce.
@@ -9,9 +9,8 @@ As an fp64 tensor it was a Gloo round of its own: 7.5 / 6.9 ms a step against 6.
 alternated rounds; a Horovod timeline shows the fusion directly. The sums are formed in
 fp64 on each rank; fp32 carries them with a relative error of ~1e-7. The estimators subtract
 (|g_b|² against |g_B|²), so the |G|² estimate is off by ~1e-7 |g_b|²: 1e-4 of |G|² even at
-φ/b = 1000, where one step's sampling noise is of the order of |g_b|² itself. The OOM flag (0 or
-1 a rank) survives the average. Under a compressed codec (fp16 buckets) it cannot fuse and is a
-round of its own.
+φ/b = 1000, where one step's sampling noise is of the order of |g_b|² itself. Under a compressed
+codec (fp16 buckets) it cannot fuse and is a round of its own.
 
 Started before the bucket wait, Horovod negotiates it in the buckets' cycle (issued after them it
 cost a round of its own, ~3 ms a step over Gloo on pylm). Collected at the next attempt, even an
@@ -45,27 +44,25 @@ class _Pending:
 
 
 class StepStats:
-    """Feeds `noise` and `times` one step late; `oom` is the flag of the last attempt collected."""
+    """Feeds `noise` and `times` one step late."""
 
     def __init__(self, world: World, noise: NoiseScale, times: StepTimeModel) -> None:
         self.world, self.noise, self.times = world, noise, times
         self.pending: _Pending | None = None
-        self.oom = False
 
-    def start(self, local: float, oom: bool, compute: float, sync: float, rest: float) -> Any:
+    def start(self, local: float, compute: float, sync: float, rest: float) -> Any:
         """All ranks call, before waiting on the gradient buckets. The previous attempt's stats are
         collected first: Horovod refuses a second tensor of the same name while one is queued."""
         self.collect()
-        values = torch.tensor([local, float(oom), compute, sync, rest], dtype=torch.float32)
+        values = torch.tensor([local, compute, sync, rest], dtype=torch.float32)
         return self.world.allreduce_async(values, name="hvdtrain.adaptive.stats", op="average")
 
-    def settle(self, handle: Any, finite: bool, g2: float | None, m: int, k: int) -> bool:
+    def settle(self, handle: Any, finite: bool, g2: float | None, m: int, k: int) -> None:
         """After the bucket wait: keep this attempt's stats for later, or collect them now if the
-        average is not finite. True if the attempt may step (finite, and no rank ran out of memory)."""
-        self.pending, self.oom = _Pending(handle, None, finite, g2, m, k, self.world.size), False
+        average is not finite (an overflow, or a rank that ran out of memory sent NaN)."""
+        self.pending = _Pending(handle, None, finite, g2, m, k, self.world.size)
         if not finite:
             self.collect()
-        return finite and not self.oom
 
     def collect(self) -> None:
         """Wait for (normally: pick up) the pending stats and apply them. Each rank on its own."""
@@ -74,14 +71,13 @@ class StepStats:
             return
         total = self._sums(p)
         n = p.ranks
-        self.oom = total[1] > 0.5  # an average times n: 1/n x n need not be exactly 1 in fp32
         # A local norm past fp32's range (inf) must not reach the estimators; the step itself is
         # judged by the gradient average, which every rank sees alike.
         if p.finite and all(math.isfinite(v) for v in total):
             if p.g2 is not None:
                 count = n * p.k
                 self.noise.update(total[0] / count, p.g2, count, p.m)
-            self.times.record(p.m, total[2] / n / p.k, (total[3] + total[4]) / n)
+            self.times.record(p.m, total[1] / n / p.k, (total[2] + total[3]) / n)
 
     def state_dict(self) -> list | None:
         """The pending stats, unapplied: a resumed run applies them where this one will."""
@@ -99,4 +95,6 @@ class StepStats:
     def load_state_dict(self, state: list | None) -> None:
         if state and len(state) == 5:  # saved before the world size was; a checkpoint resume keeps it
             state = [*state, self.world.size]
+        if state and len(state[0]) == 5:  # saved before 7 December: [local, oom flag, compute, sync, rest]
+            state = [[v for i, v in enumerate(state[0]) if i != 1], *state[1:]]
         self.pending = _Pending(None, *state) if state else None

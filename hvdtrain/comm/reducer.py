@@ -124,6 +124,7 @@ class GradReducer(HookedBuckets):
         self._views: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self._aliased = [False] * len(self.buckets)  # every grad of the bucket is its view
         self.residuals: dict[int, torch.Tensor] = {}
+        self._compensated: dict[int, torch.Tensor] = {}  # error feedback: this step's gradient + residual
         self._armed = True
         self._taps: list[Callable[[int, torch.Tensor], None]] = []  # see add_tap
         # The hooks only start collectives early, to overlap them with backward; alone there is
@@ -142,12 +143,9 @@ class GradReducer(HookedBuckets):
         if self.world.size == 1 and self.codec.name == "none":
             self._pending[b] = None  # the average of one rank's fp32 gradient is itself
             return
-        compensated = flat.clone() if self.error_feedback else None
-        pending = self.codec.launch(flat, name=f"hvdtrain.grad.{b}", want_sent=self.error_feedback)
-        if compensated is not None and pending.sent is not None:
-            # What this rank meant to send minus what the wire carried: added back next step.
-            self.residuals[b] = compensated - pending.sent
-        self._pending[b] = pending
+        if self.error_feedback:
+            self._compensated[b] = flat.clone()  # what this rank means to send this step
+        self._pending[b] = self.codec.launch(flat, name=f"hvdtrain.grad.{b}", want_sent=self.error_feedback)
 
     def _gather(self, b: int) -> torch.Tensor:
         """Bucket b's gradients in its flat buffer; grads that already are its views cost nothing."""
@@ -203,13 +201,25 @@ class GradReducer(HookedBuckets):
                 flat.copy_(out)
             done.append(flat)
             self._aliased[b] = _point_grads(self.buckets[b], self._views[b])
+        ok = all_finite(done)
+        self._settle_residuals(ok)
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self._armed = True
-        ok = all_finite(done)
-        if not ok:
-            self.residuals.clear()  # an inf in the residual would poison every later step
         return ok
+
+    def _settle_residuals(self, applied: bool) -> None:
+        """Error feedback: what this rank meant to send minus what the wire carried (the codec knows
+        that only after the wait: a chunk it resent in fp32 carried it exactly), added back next
+        step. A step that is not applied (skipped, or retried after an OOM) keeps the residuals it
+        started from: its gradient is thrown away, the error of earlier steps is still owed, and a
+        residual taken from a non-finite step would poison every later one."""
+        if applied:
+            for b, compensated in self._compensated.items():
+                pending = self._pending.get(b)
+                if pending is not None and pending.sent is not None:
+                    self.residuals[b] = compensated.sub_(pending.sent)
+        self._compensated.clear()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """After the optimizer step, instead of `optimizer.zero_grad()`: one memset per bucket, and

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.comm.compression import reducescatter_finish, reducescatter_launch
+from hvdtrain.comm.compression import Pending, reducescatter_finish, reducescatter_launch
 from hvdtrain.comm.reducer import HookedBuckets
 from hvdtrain.errors import CheckpointError, ConfigError
 from hvdtrain.world import World
@@ -61,6 +61,7 @@ class ZeroReducer(HookedBuckets):
         self.full_grads = [torch.zeros_like(f) for f in self.flat] if stage == 1 else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.residuals: dict[int, torch.Tensor] = {}
+        self._compensated: dict[int, tuple[torch.Tensor, Any]] = {}  # error feedback, until the verdict
         self.grad_norm = torch.zeros(())
         self._bucket_len = [len(b["params"]) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
@@ -146,8 +147,10 @@ class ZeroReducer(HookedBuckets):
             sent = pending.sent
         else:
             pending, sent = reducescatter_launch(self.world, self.codec.name, flat, name)
-        if compensated is not None and sent is not None:
-            self.residuals[b] = compensated - sent  # what this rank meant to send minus the wire's
+        if compensated is not None:
+            # Settled after the verdict (GradReducer._settle_residuals has the rule); stage 1's codec
+            # fills `sent` in only at its finish (a chunk it resent in fp32 carried it exactly).
+            self._compensated[b] = (compensated, pending if self.stage == 1 else sent)
         self._pending[b] = pending
 
     def _finish(self, b: int) -> None:
@@ -182,8 +185,12 @@ class ZeroReducer(HookedBuckets):
         total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
         self.grad_norm = total[0].sqrt()
         finite = bool(torch.isfinite(self.grad_norm))
-        if not finite:
-            self.residuals.clear()  # an inf in the residual would poison every later step
+        if finite:  # not applied: the residuals the step started from are still owed
+            for b, (compensated, wire) in self._compensated.items():
+                sent = wire.sent if isinstance(wire, Pending) else wire
+                if sent is not None:
+                    self.residuals[b] = compensated.sub_(sent)
+        self._compensated.clear()
         return finite
 
     def step(self) -> None:

@@ -126,6 +126,12 @@ def train(cfg: Config) -> int:
     result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=task.loss_fn)
     if cfg.elastic.enabled:
         world = World.init()  # the last world's ranks: the first world's rank 0 may be gone
+    if result.stopped:
+        from hvdtrain.stop import EXIT_STOPPED
+
+        world.print(f"stopped: step {result.step}, checkpoint {result.checkpoint} (exit {EXIT_STOPPED}: requeue "
+                    "and resume with --resume auto)")
+        return EXIT_STOPPED
     shown = " ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     world.print(f"done: step {result.step}, eval {shown}")
     if result.checkpoint:

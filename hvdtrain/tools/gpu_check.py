@@ -192,8 +192,9 @@ def memory_probe(world: World, work: Path) -> Result:
     finds runs, twice the cap does not; then training at the chosen micro-batch runs without OOM."""
     if not torch.cuda.is_available():
         return no_gpu("the memory probe against a real CUDA OOM (the injected OOM is tested on CPU)")
-    from hvdtrain.adaptive.probe import FaultInjector, Prober, probe
-    from hvdtrain.config import AdaptiveConfig, ModelConfig
+    from hvdtrain.adaptive.probe import Prober, probe
+    from hvdtrain.config import AdaptiveConfig, FaultsConfig, ModelConfig
+    from hvdtrain.faults import FaultInjector
     from hvdtrain.tasks.models import GPT
 
     total = torch.cuda.get_device_properties(world.device).total_memory
@@ -211,7 +212,7 @@ def memory_probe(world: World, work: Path) -> Result:
 
         # The probe plans for memory_fraction of the card: here 95% of the cap just set.
         cfg = AdaptiveConfig(memory_fraction=0.95 * budget / total)
-        prober = Prober(model, optimizer, data, lm, world.device, FaultInjector(cfg, world.rank))
+        prober = Prober(model, optimizer, data, lm, world.device, FaultInjector(FaultsConfig(), world.rank))
         t0 = time.perf_counter()
         found = probe(world, cfg, prober, 8, 4096)
         seconds = time.perf_counter() - t0

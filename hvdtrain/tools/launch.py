@@ -233,7 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """Resolve hosts, check them, then replace this process with horovodrun."""
+    """Resolve hosts, check them, then run horovodrun, relaying stop signals to the ranks."""
     hosts = resolve_hosts(args, os.environ if env is None else env)
     cmd = build_command(args, hosts)
     if args.dry_run:
@@ -248,6 +248,10 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
                                  f"{len({p.split(':')[0] for p in problems})} host(s); nothing was started")
         print(f"hvdtrain: preflight ok: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slot(s)", flush=True)
     print(f"hvdtrain: {shlex.join(cmd)}", flush=True)
-    # exec keeps signals (scancel, Ctrl-C) going straight to horovodrun, which tears the ranks down.
-    os.execvp(cmd[0], cmd)
-    return 0  # not reached
+    from hvdtrain.stop import EXIT_STOPPED
+    from hvdtrain.tools import relay
+
+    # Not exec: stop signals sent to the launcher (Slurm's --signal=B:USR1@90, scancel --signal,
+    # kill) reach the ranks as a graceful stop, and the launcher's exit code says so (relay.py).
+    local = _local_addresses()
+    return relay.run(cmd, hosts, [is_local(h.name, local) for h in hosts], args.ssh_port, EXIT_STOPPED)

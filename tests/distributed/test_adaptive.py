@@ -8,8 +8,9 @@ from helpers import Crash, blobs, crashing_fit, flat_params, mlp, shared_tmpdir,
 from torch.utils.data import Dataset
 
 import hvdtrain
-from hvdtrain.adaptive.probe import FaultInjector, Prober, probe
-from hvdtrain.config import AdaptiveConfig, CheckpointConfig
+from hvdtrain.adaptive.probe import Prober, probe
+from hvdtrain.config import AdaptiveConfig, CheckpointConfig, FaultsConfig
+from hvdtrain.faults import FaultInjector
 from hvdtrain.tasks import classification_loss
 
 
@@ -36,7 +37,10 @@ def recording_loss(log):
 
 
 def adaptive_config(batch_size=8, accumulation=2, epochs=1, **adaptive):
+    """`oom_*` keys go to the faults section, the rest to the adaptive one."""
+    faults = {k: adaptive.pop(k) for k in list(adaptive) if k.startswith("oom_")}
     cfg = small_config(epochs=epochs, batch_size=batch_size, accumulation=accumulation, shuffle=True)
+    cfg = dataclasses.replace(cfg, faults=FaultsConfig(**faults))
     base = {"enabled": True, "probe": False, "warmup_steps": 10**6}
     # lr for the global batch itself, so splitting it differently keeps the same lr
     optim = dataclasses.replace(cfg.optim, lr_scaling="none", lr=0.2)
@@ -55,7 +59,7 @@ def adaptive_records(history):
 def test_oom_on_one_rank_retries_same_samples_with_same_batch_and_lr(world):
     data = Indexed(192)
     oom_step = 3
-    injected = adaptive_config(inject_oom_above=4, inject_oom_rank=world.size - 1, inject_oom_step=oom_step)
+    injected = adaptive_config(oom_above=4, oom_rank=world.size - 1, oom_step=oom_step)
     seen = []
     model = mlp(seed=2)
     result = hvdtrain.fit(world, model, None, data, injected, loss_fn=recording_loss(seen))
@@ -90,8 +94,8 @@ def test_oom_mid_backward_after_buckets_left_still_skips_on_every_rank(world):
 
     data, oom_step = Indexed(192), 3
     per_rank = 8 if world.size > 1 else 16  # one rank alone runs k >= 2 (as 8 x 2)
-    injected = config(batch_size=per_rank, accumulation=1, inject_oom_above=4, inject_oom_rank=world.size - 1,
-                      inject_oom_step=oom_step, inject_oom_in="backward")
+    injected = config(batch_size=per_rank, accumulation=1, oom_above=4, oom_rank=world.size - 1,
+                      oom_step=oom_step, oom_in="backward")
     model, reference_model = mlp(seed=4), mlp(seed=4)
     result = hvdtrain.fit(world, model, None, data, injected, loss_fn=recording_loss([]))
     reference = hvdtrain.fit(world, reference_model, None, data, config(batch_size=4, accumulation=per_rank // 4),
@@ -130,11 +134,12 @@ def test_decisions_same_step_on_every_rank_and_no_sample_lost_or_repeated(world)
 
 
 def test_probe_agrees_on_the_smallest_cap_when_one_rank_fails_above_it(world):
-    cfg = AdaptiveConfig(enabled=True, memory_budget_mb=256, inject_oom_above=6, inject_oom_rank=world.size - 1)
+    cfg = AdaptiveConfig(enabled=True, memory_budget_mb=256)
+    faults = FaultsConfig(oom_above=6, oom_rank=world.size - 1)
     model = mlp(seed=6)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     before = flat_params(model).clone()
-    prober = Prober(model, optimizer, blobs(n=64), classification_loss, world.device, FaultInjector(cfg, world.rank))
+    prober = Prober(model, optimizer, blobs(n=64), classification_loss, world.device, FaultInjector(faults, world.rank))
     result = probe(world, cfg, prober, start=2, limit=32)
     every = world.allgather_object((result.cap, result.preferred), name="t.adaptive.probe")
     assert all(e == (6, every[0][1]) for e in every) and 1 <= result.preferred <= 6
@@ -227,7 +232,7 @@ def test_decay_to_batch_turns_each_lr_decay_into_batch_growth_until_the_cap(worl
     assert all(c == changes for c in every)
 
 
-def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at_once(world):
+def test_step_stats_apply_a_step_late_resume_where_they_would_and_a_non_finite_step_at_once(world):
     from hvdtrain.adaptive.gns import NoiseScale
     from hvdtrain.adaptive.goodput import StepTimeModel
     from hvdtrain.adaptive.stats import StepStats
@@ -238,8 +243,8 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
 
     stats, noise = fresh()
     for step in range(3):  # a few steps so the averages have history
-        handle = stats.start(4.0 + step + world.rank, False, 0.02, 0.005, 0.001)
-        assert stats.settle(handle, True, 1.5, m=4, k=2)
+        handle = stats.start(4.0 + step + world.rank, 0.02, 0.005, 0.001)
+        stats.settle(handle, True, 1.5, m=4, k=2)
     before = noise.state_dict()
     saved = stats.state_dict()  # the third step's stats, waited on but not applied
     assert noise.state_dict() == before and saved is not None
@@ -250,12 +255,28 @@ def test_step_stats_apply_a_step_late_resume_where_they_would_and_flag_an_oom_at
     resumed.load_state_dict(saved)
     resumed.collect()
     assert resumed_noise.state_dict() == noise.state_dict()
-    # A non-finite average (here: an OOM on the last rank) is collected at once, flag and all.
-    handle = stats.start(0.0, world.rank == world.size - 1, 0.02, 0.005, 0.001)
-    assert not stats.settle(handle, False, None, m=4, k=2)
-    assert stats.oom and stats.pending is None
-    handle = stats.start(4.0, False, 0.02, 0.005, 0.001)
-    assert not stats.settle(handle, False, None, m=4, k=2) and not stats.oom  # an overflow, not an OOM
+    # A non-finite average (an overflow, or NaN from a rank that ran out of memory) is collected at once.
+    handle = stats.start(0.0, 0.02, 0.005, 0.001)
+    stats.settle(handle, False, None, m=4, k=2)
+    assert stats.pending is None
+
+
+def test_step_flags_bring_one_ranks_oom_or_stop_request_to_every_rank_at_once(world):
+    from hvdtrain.step import StepFlags
+
+    asked = [False]
+    flags = StepFlags(world, lambda: asked[0])
+    flags.start(oom=world.rank == world.size - 1)  # the last rank ran out of memory
+    flags.collect()
+    assert flags.oom and not flags.stop
+    asked[0] = world.rank == 0  # a stop signal on rank 0 only
+    flags.start(oom=False)
+    flags.collect()
+    assert flags.stop and not flags.oom
+    asked[0] = False
+    flags.start(oom=False)
+    flags.collect()
+    assert not flags.stop and not flags.oom  # an overflow is not an OOM: nothing is flagged
 
 
 def test_step_stats_carry_every_ranks_sums_in_fp32_and_keep_an_overflowed_norm_out(world):
@@ -266,22 +287,21 @@ def test_step_stats_carry_every_ranks_sums_in_fp32_and_keep_an_overflowed_norm_o
     noise = NoiseScale(0.9, 8)
     stats = StepStats(world, noise, StepTimeModel({}))
     local = 123456.789 * (1 + world.rank / 7)  # not representable in fp32
-    handle = stats.start(local, world.rank % 2 == 1, 0.02 + world.rank * 1e-3, 0.005, 0.001)
-    assert stats.settle(handle, True, 1.5, m=4, k=2)  # the flags arrive with the collect
+    handle = stats.start(local, 0.02 + world.rank * 1e-3, 0.005, 0.001)
+    stats.settle(handle, True, 1.5, m=4, k=2)
     sums = stats.state_dict()[0]
     n = world.size
     assert sums[0] == pytest.approx(sum(123456.789 * (1 + r / 7) for r in range(n)), rel=1e-6)
-    assert round(sums[1]) == n // 2  # ranks that flagged an OOM
-    assert sums[2] == pytest.approx(sum(0.02 + r * 1e-3 for r in range(n)), rel=1e-6)
+    assert sums[1] == pytest.approx(sum(0.02 + r * 1e-3 for r in range(n)), rel=1e-6)
     stats.collect()
-    assert stats.oom == (n > 1) and noise.updates == 1
-    # A local norm past fp32's range arrives as inf: the step's average decides the step, the
-    # estimators and step times skip it, and the rank's flag still arrives.
+    assert noise.updates == 1
+    # A local norm past fp32's range arrives as inf: the step's average decides the step, and the
+    # estimators and step times skip it.
     before, times = noise.state_dict(), stats.times.state_dict()
-    handle = stats.start(1e39 if world.rank == 0 else 1.0, False, 0.02, 0.005, 0.001)
-    assert stats.settle(handle, True, 1.5, m=4, k=2)
+    handle = stats.start(1e39 if world.rank == 0 else 1.0, 0.02, 0.005, 0.001)
+    stats.settle(handle, True, 1.5, m=4, k=2)
     stats.collect()
-    assert noise.state_dict() == before and stats.times.state_dict() == times and not stats.oom
+    assert noise.state_dict() == before and stats.times.state_dict() == times
 
 
 def test_adam_second_moment_follows_each_batch_change_identically_on_every_rank(world, monkeypatch):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from launch import BIN, ROOT, env, horovodrun, untag
 
@@ -99,3 +100,46 @@ def test_kill_at_a_random_step_then_resume_gives_bitwise_equal_weights(tmp_path)
     final = [load_checkpoint(d / "checkpoints" / f"step_{LAST:08d}")["model"] for d in (whole, killed)]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 16 MiB tmpfs (root only) for the checkpoints; `fill()` takes its last free byte."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+
+    def fill() -> None:
+        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+
+    yield mount, fill
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("on_error", ["warn", "stop"])
+def test_a_checkpoint_into_a_full_disk_keeps_latest_and_follows_on_error(full_disk, tmp_path, on_error):
+    mount, fill = full_disk
+    ckpt = mount / "ckpt"
+    args = [CLI, *TRAIN, "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={ckpt}",
+            "--set", "checkpoint.every=5", "--set", f"checkpoint.on_error={on_error}"]
+    horovodrun([*args, "--set", "train.max_steps=5"], controller="gloo", timeout=200)
+    fill()  # the disk is full from here on: the next save (step 10) fails on rank 0
+    res = horovodrun([*args, "--set", "train.max_steps=12", "--resume", "auto"], controller="gloo", timeout=200,
+                     check=False)
+    text = untag(res.stdout)
+    assert "could not write checkpoint step_00000010" in text and "No space left on device" in text, text[-3000:]
+    assert "the last good one, step_00000005, is still `latest`" in text, text[-3000:]
+    if on_error == "warn":  # trains on to the end, warning at each failed save (10, 12)
+        assert res.returncode == 0 and text.count("training goes on (checkpoint.on_error=warn)") == 2, text[-3000:]
+    else:  # every rank stops at step 10, with one line each and no traceback
+        ranks = "\n".join(line for line in res.stdout.splitlines() if line.startswith(("[0]", "[1]")))
+        assert res.returncode != 0 and "Traceback" not in ranks, text[-3000:]
+        assert text.count("free space or set checkpoint.on_error=warn") == 2, text[-3000:]
+    assert (ckpt / "latest").read_text() == "step_00000005"
+    assert load_checkpoint(ckpt / "step_00000005")["step"] == 5
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000005"]  # no temp folder left

@@ -5,21 +5,22 @@ import pytest
 import torch
 from helpers import blobs, mlp
 
-from hvdtrain.adaptive.probe import FaultInjector, Prober, shrink_after_oom
-from hvdtrain.common import is_oom
-from hvdtrain.config import AdaptiveConfig, Config
+from hvdtrain.adaptive.probe import Prober
+from hvdtrain.common import is_oom, shrink_after_oom
+from hvdtrain.config import Config, FaultsConfig
 from hvdtrain.errors import TrainingStopped
+from hvdtrain.faults import FaultInjector
 from hvdtrain.tasks import classification_loss
 
 
 def test_probe_bisects_to_the_injected_limit_and_respects_a_memory_budget():
-    cfg = AdaptiveConfig(inject_oom_above=11)
+    cfg = FaultsConfig(oom_above=11)
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), FaultInjector(cfg, 0))
     assert prober.largest(start=2, limit=64, budget=2**30, margin=0.1) == 11
     assert prober.injector.raised >= 1 and opt.state  # the optimizer state was materialised first
-    free = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), FaultInjector(AdaptiveConfig(), 0))
+    free = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), FaultInjector(FaultsConfig(), 0))
     at_2, at_4 = free.step(2), free.step(4)
     budget = int((at_2 + 10 * (at_4 - at_2) / 2) / 0.9)  # room for about m = 12
     cap = free.largest(start=2, limit=64, budget=budget, margin=0.1)
@@ -33,7 +34,7 @@ def test_probe_keeps_the_fastest_run_of_each_size(monkeypatch):
     monkeypatch.setattr(memprobe.time, "perf_counter", lambda: next(ticks))
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    injector = FaultInjector(AdaptiveConfig(), 0)
+    injector = FaultInjector(FaultsConfig(), 0)
     prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"), injector)
     for _ in range(3):
         prober.step(4)
@@ -44,7 +45,7 @@ def test_probe_times_each_size_three_times_counting_the_memory_search_runs():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prober = Prober(model, opt, blobs(n=64), classification_loss, torch.device("cpu"),
-                    FaultInjector(AdaptiveConfig(), 0))
+                    FaultInjector(FaultsConfig(), 0))
     assert prober.largest(4, 16, 2**40, 0.1) == 16  # runs 4 (twice), 8 and 16
     assert prober.runs == {4: 2, 8: 1, 16: 1}
     prober.preferred(16, 4)

@@ -1,0 +1,149 @@
+"""Graceful stop on signals (hvdtrain/stop.py, hvdtrain/tools/relay.py): a stop signal on one rank,
+or to the launcher, stops every rank at the same step after one checkpoint, with exit code 99
+(EXIT_STOPPED); `--resume auto` then ends at the weights of a run that was never stopped. A second
+signal, or train.stop_grace, ends a rank at once."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from launch import BIN, ROOT, env, rank_tails
+
+from hvdtrain.checkpoint import load_checkpoint
+from hvdtrain.stop import EXIT_STOPPED
+
+SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "slow_train.py")
+STEPS = 240
+TRAIN = ["train", "--config", "configs/digits.yaml", "--set", "train.batch_size=8", "--set", "train.epochs=50",
+         "--set", f"train.max_steps={STEPS}", "--set", "log.every=1", "--set", "log.progress=false",
+         # no checkpoint but the stop's and the last
+         "--set", "log.tensorboard=false", "--set", "checkpoint.every=100000"]
+
+
+def launch(controller: str, out, *extra: str) -> subprocess.Popen:
+    cmd = [str(BIN / "hvdtrain"), "launch", "--no-preflight", "--hosts", "localhost:2", "--controller", controller,
+           "--", str(BIN / "python"), SCRIPT, "0.01", *TRAIN, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out:\n{rank_tails(out)}") from None
+    return proc.returncode, out
+
+
+def wait_for_step(out, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"ended before step {step}:\n{proc.stdout.read()[-3000:]}")
+        # only whole lines: the writer may be midway through the last one
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
+        if any(json.loads(line).get("step", 0) >= step for line in lines):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def rank_pids(out) -> dict[int, int]:
+    return {int(r): int(p) for r, p in re.findall(r"whoami rank=(\d+) pid=(\d+)", out)}
+
+
+def final_model(out, step: int) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out / "checkpoints" / f"step_{step:08d}")["model"]
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def reference(request, tmp_path_factory):
+    """The run that is never stopped: its final weights, per controller."""
+    out = tmp_path_factory.mktemp(f"reference-{request.param}")
+    rc, text = finish(launch(request.param, out))
+    assert rc == 0, rank_tails(text)
+    return {"controller": request.param, "model": final_model(out, STEPS)}
+
+
+def find_pid(proc: subprocess.Popen, rank: int, lines: list[str]) -> int:
+    """Read the launcher's output until rank `rank` has said its pid."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("no pid line:\n" + "".join(lines[-40:]))
+        lines.append(line)
+        pids = rank_pids(line)
+        if rank in pids:
+            return pids[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_resume_is_exact(reference, tmp_path):
+    controller = reference["controller"]
+    out = tmp_path / "run"
+    proc = launch(controller, out)
+    lines: list[str] = []
+    pid = find_pid(proc, 1, lines)
+    wait_for_step(out, 20, proc)
+    os.kill(pid, signal.SIGUSR1)  # rank 1 only
+    rc, rest = finish(proc)
+    text = "".join(lines) + rest
+    assert rc == EXIT_STOPPED, rank_tails(text)
+    stops = re.findall(r"hvdtrain: rank (\d): stopped at step (\d+)", text)
+    assert sorted(r for r, _ in stops) == ["0", "1"] and len({s for _, s in stops}) == 1, rank_tails(text)
+    step = int(stops[0][1])
+    assert 20 <= step < STEPS
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == [f"step_{step:08d}"]  # the stop's only
+    # Requeued: the same command with --resume auto ends where the never-stopped run did, bitwise.
+    rc, text = finish(launch(controller, out, "--resume", "auto"))
+    assert rc == 0 and f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in text, rank_tails(text)
+    model = final_model(out, STEPS)
+    assert all(torch.equal(model[k], v) for k, v in reference["model"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_launcher_stops_the_ranks_gracefully(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("gloo", out)
+    wait_for_step(out, 20, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as `kill` or scancel --signal would
+    rc, text = finish(proc)
+    assert rc == EXIT_STOPPED, rank_tails(text)
+    assert "hvdtrain: launch: SIGTERM: sent to 2 rank process(es)" in text
+    (ckpt,) = (out / "checkpoints").glob("step_*")
+    assert load_checkpoint(ckpt)["step"] == int(ckpt.name.split("_")[1])
+
+
+STOP_ONLY = """import sys, time
+from hvdtrain.stop import StopSignals
+stop = StopSignals("SIGUSR1", float(sys.argv[1]), rank=0)
+print("ready", flush=True)
+time.sleep(30)  # a step that never ends: only the second signal or the deadline can end it
+"""
+
+
+@pytest.mark.parametrize("how", ["second signal", "deadline"])
+def test_a_second_signal_or_the_grace_deadline_ends_the_rank_at_once(how):
+    grace = "0.5" if how == "deadline" else "60"
+    proc = subprocess.Popen([sys.executable, "-c", STOP_ONLY, grace], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)
+    if how == "second signal":
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+    rc = proc.wait(timeout=10)
+    err = proc.stderr.read()
+    assert rc == EXIT_STOPPED and time.monotonic() - t0 < 5, err
+    assert ("a second stop signal (SIGUSR1)" if how == "second signal" else "train.stop_grace=0.5 s passed") in err
