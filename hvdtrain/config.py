@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,12 @@ class Config:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def _finite(path: str, value: float) -> float:
+    if not math.isfinite(value):  # NaN passes every `x <= 0` check, and a run with it trains to NaN
+        raise ConfigError(f"{path}={value!r} must be a finite number")
+    return value
+
+
 def _coerce(path: str, value: Any, typ: Any) -> Any:
     """Check a raw value against a field's declared type (bool is not an int; int widens to float)."""
     if typ is bool:
@@ -246,7 +253,7 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(path, float(value))
     elif typ is str:
         if isinstance(value, str):
             return value
@@ -261,6 +268,10 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    odd = [k for k in raw if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"key {odd[0]!r} in {prefix or 'the config'} is not a name; "
+                          f"allowed: {', '.join(sorted(names))}")
     unknown = sorted(set(raw) - names)
     if unknown:
         where = prefix or "config"
@@ -274,18 +285,46 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last
+    silently; TOML refuses it, and so do we)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ConfigError(f"key {key!r} appears twice in one section (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML (.yaml/.yml) or TOML (.toml) config file into nested dicts."""
     p = Path(path)
+    kind = "TOML" if p.suffix == ".toml" else "YAML"
     if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text()
+        raise ConfigError(f"config file {p} is a folder; give a YAML or TOML file" if p.is_dir()
+                          else f"config file {p} does not exist")
     try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {p} is not UTF-8 text; expected {kind}") from None
+    try:
+        data = tomllib.loads(text) if kind == "TOML" else yaml.load(text, Loader=_StrictLoader)  # noqa: S506
+    except ConfigError as exc:
+        raise ConfigError(f"config file {p}: {exc}") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.').upper() or 'YAML'}: {first}") from None
-    return data or {}
+        raise ConfigError(f"config file {p} is not valid {kind}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold sections (train:, optim:, ...) at the top level, "
+                          f"not a {type(data).__name__}")
+    return data
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:

@@ -40,7 +40,7 @@ from hvdtrain.policy import BatchPolicy, FixedBatch
 from hvdtrain.precision import Precision
 from hvdtrain.profile.memory import MemoryProfiler
 from hvdtrain.state import OptimizerState, RngState, Session
-from hvdtrain.step import LossFn, Outcome, StepFlags, classification_loss, train_step
+from hvdtrain.step import LossFn, Outcome, StepFlags, checked, classification_loss, train_step
 from hvdtrain.stop import StopSignals
 from hvdtrain.watchdog import Watchdog
 from hvdtrain.world import World
@@ -64,7 +64,7 @@ def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, 
     with torch.no_grad():
         for batch in eval_loader(dataset, world, batch_size):
             batch = to_device(batch, world.device)
-            loss, batch_sums = loss_fn(model, batch)
+            loss, batch_sums = checked(loss_fn(model, batch))
             sums.add(loss, batch_sums, batch_len(batch))
     model.train()
     # Rank 0 always holds sample 0, so its keys are the metric names; a rank with an empty shard

@@ -33,8 +33,15 @@ class MetricSums:
         for key, value, weight in (("loss", loss, samples), *((k, v, 1) for k, v in batch_sums.items())):
             acc = self.sums.get(key)
             if acc is None:
-                acc = self.sums[key] = torch.zeros((), dtype=torch.float64, device=value.device)
-            acc.add_(value.detach(), alpha=weight)
+                acc = self.sums[key] = torch.zeros((), dtype=torch.float64, device=loss.device)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                acc.add_(value.detach().reshape(()), alpha=weight)
+            elif isinstance(value, (int, float)):  # a Python number is fine too (bool counts as 0/1)
+                acc.add_(float(value) * weight)
+            else:
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise TypeError(f"loss_fn's metric {key!r} must be one number (a Python number or a one-element "
+                                f"tensor: the batch's sum), got {got}")
         self.samples += samples
 
     def merge(self, other: MetricSums) -> None:

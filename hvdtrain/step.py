@@ -35,6 +35,23 @@ def classification_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dic
     return loss, {"accuracy": (logits.argmax(dim=1) == y).sum()}
 
 
+def checked(result: Any, training: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    """`loss_fn`'s result, or a TypeError that says what it must return (a mistake there otherwise
+    surfaces deep in autograd or the metrics allreduce)."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"loss_fn must return (loss, {{metric: batch sum}}), got {type(result).__name__}")
+    loss, sums = result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"loss_fn's loss must be a one-element tensor (the batch's mean loss), got {got}")
+    if training and not loss.requires_grad:
+        raise TypeError("loss_fn's loss does not require grad: compute it from the model's output, "
+                        "without .item(), .detach() or torch.no_grad()")
+    if not isinstance(sums, dict):
+        raise TypeError(f"loss_fn's metrics must be a dict {{name: batch sum}}, got {type(sums).__name__}")
+    return loss, sums
+
+
 class Outcome(enum.Enum):
     STEPPED = "stepped"  # the averaged gradient was applied
     SKIPPED = "skipped"  # not finite on any rank: weights and optimizer state untouched on all
@@ -135,7 +152,7 @@ def train_step(model: nn.Module, optimizer: Any, reducer: HookedBuckets, micro_b
             reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
             batch = to_device(batch, device)
             with precision.forward():
-                loss, batch_sums = loss_fn(model, batch)
+                loss, batch_sums = checked(loss_fn(model, batch), training=True)
             n = batch_len(batch)
             divisor = rank_samples / n if rank_samples else len(micro_batches)
             precision.backward(loss / divisor if divisor != 1 else loss)  # no autograd node for a no-op

@@ -33,6 +33,13 @@ def _horovod() -> Any:
     return hvd
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """True if `exc` is Horovod shutting down under this rank because another rank died or lost its
+    connection (its traceback says nothing the launcher's "first process to exit" line does not)."""
+    exceptions = sys.modules.get("horovod.common.exceptions")
+    return exceptions is not None and isinstance(exc, exceptions.HorovodInternalError)
+
+
 def mpi_defaults(env: MutableMapping[str, str]) -> None:
     """Open MPI settings measured faster here, set only where the user has not set them.
 

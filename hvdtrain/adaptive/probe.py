@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, default_collate
 from hvdtrain.common import free_after_oom, is_oom, num_samples, rng_state, set_rng_state, to_device
 from hvdtrain.config import AdaptiveConfig
 from hvdtrain.faults import FaultInjector
+from hvdtrain.step import checked
 from hvdtrain.world import World
 
 
@@ -96,7 +97,7 @@ class Prober:
 
         def fn() -> None:
             self.injector.check(m)
-            loss, _ = self.loss_fn(self.model, batch)
+            loss, _ = checked(self.loss_fn(self.model, batch), training=True)
             loss.backward()
 
         try:

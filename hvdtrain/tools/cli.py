@@ -8,6 +8,7 @@ raised before Horovod starts so no rank is left waiting for another.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hvdtrain.errors import ConfigError, HvdtrainError
 from hvdtrain.tools import launch
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 # Subcommands that live in their own module: each module has `add_arguments(parser)` and
 # `run(args) -> int`, and imports torch/Horovod only inside `run`, so `--help` and input errors stay fast.
@@ -115,9 +117,11 @@ def resolve(args: argparse.Namespace) -> Config:
 
 
 def train(cfg: Config) -> int:
+    from hvdtrain.outputs import check_outputs
     from hvdtrain.tasks import build_task, check_inputs
 
     check_inputs(cfg)
+    check_outputs(cfg)  # before Horovod starts: a bad --out ends the job with one line, nothing made
     from hvdtrain.loop import fit
     from hvdtrain.world import World
 
@@ -158,6 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     except HvdtrainError as exc:
         print(f"hvdtrain: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except Exception as exc:
+        from hvdtrain.world import lost_peer  # loaded already if Horovod ran
+
+        if not lost_peer(exc):
+            raise
+        from hvdtrain.outputs import launch_rank
+
+        print(f"hvdtrain: rank {launch_rank(os.environ)}: error: another rank exited or lost its connection, so "
+              "Horovod shut down here (the launcher's output names the rank that exited first); fix its cause "
+              "and rerun with --resume auto to continue from the last checkpoint", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -106,9 +106,20 @@ def parse_hosts(text: str) -> list[Host]:
     hosts = []
     for item in text.split(","):
         name, _, slots = item.strip().partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise LaunchError(f"bad --hosts entry {item!r}: expected host or host:slots, e.g. h1:2,h2:1")
+        if not name or (slots and not slots.isdigit()) or (slots and int(slots) == 0):
+            raise LaunchError(f"bad --hosts entry {item!r}: expected host or host:slots with slots >= 1, "
+                              "e.g. h1:2,h2:1")
         hosts.append(Host(name, int(slots or 1)))
+    return unique(hosts, "--hosts")
+
+
+def unique(hosts: list[Host], where: str) -> list[Host]:
+    """Refuse a host listed twice: horovodrun would give it the slots of one entry or the other."""
+    seen: set[str] = set()
+    for h in hosts:
+        if h.name in seen:
+            raise LaunchError(f"{where} lists host {h.name} twice; list it once with all its slots")
+        seen.add(h.name)
     return hosts
 
 
@@ -118,6 +129,8 @@ def read_hostfile(path: str | Path) -> list[Host]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise LaunchError(f"hostfile {path} is not text; expected 'host slots=N' lines") from None
     hosts = []
     for no, line in enumerate(lines, 1):
         line = line.split("#", 1)[0].strip()
@@ -131,7 +144,7 @@ def read_hostfile(path: str | Path) -> list[Host]:
         hosts.append(Host(m.group(1), int(m.group(2) or 1)))
     if not hosts:
         raise LaunchError(f"hostfile {path} lists no hosts")
-    return hosts
+    return unique(hosts, f"hostfile {path}")
 
 
 def check_discovery_script(command: str) -> None:

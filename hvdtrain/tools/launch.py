@@ -18,7 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,8 +47,8 @@ class PreflightError(HvdtrainError):
 def elastic_options(args: argparse.Namespace, slots: int) -> list[str]:
     """horovodrun's elastic flags (empty for a fixed-size job)."""
     if not args.host_discovery_script:
-        if args.min_np or args.max_np:
-            raise LaunchError("--min-np/--max-np need --host-discovery-script (elastic mode)")
+        if args.min_np or args.max_np or args.elastic_timeout is not None:
+            raise LaunchError("--min-np/--max-np/--elastic-timeout need --host-discovery-script (elastic mode)")
         return []
     if args.controller != "gloo":
         raise LaunchError("elastic training runs on Gloo only; drop --controller mpi")
@@ -58,6 +58,8 @@ def elastic_options(args: argparse.Namespace, slots: int) -> list[str]:
     opts = ["--min-np", str(low), "--max-np", str(high), "--host-discovery-script", args.host_discovery_script]
     if args.blacklist_cooldown:
         opts += ["--blacklist-cooldown-range", *map(str, args.blacklist_cooldown)]
+    if args.elastic_timeout is not None:
+        opts += ["--elastic-timeout", str(args.elastic_timeout)]
     return opts
 
 
@@ -171,9 +173,10 @@ def probe(host: str, local: bool, nic: str, ssh_port: int | None) -> dict:
         return {"error": f"unexpected probe output: {last_line(out.stdout)}"}
 
 
-def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str, slots: int | None = None) -> list[str]:
+def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str, slots: int | None = None,
+                  alone: bool = False) -> list[str]:
     """One line per problem on `host`, compared with the launcher's own facts `ref`; the GPU
-    checks are `hvdtrain doctor`'s (hvdtrain/tools/doctor.py)."""
+    checks are `hvdtrain doctor`'s (hvdtrain/tools/doctor.py). `alone`: the only host of the run."""
     if "error" in facts:
         return [f"host {host}: {facts['error']}"]
     from hvdtrain.tools import doctor
@@ -192,7 +195,8 @@ def host_problems(host: str, facts: dict, ref: dict, nic: str, controller: str, 
         out.append(f"host {host}: network interface {nic} not found (has: {', '.join(facts.get('nics', []))})")
     ip = facts.get("ip")
     # Gloo trap 1: Gloo binds to what gethostname() resolves to, ignoring --network-interface.
-    if controller == "gloo" and (ip is None or ip.startswith("127.")):
+    # Alone, its ranks meet on loopback anyway (a one-node Slurm job, a workstation).
+    if controller == "gloo" and not alone and (ip is None or ip.startswith("127.")):
         seen = f"resolves to loopback {ip}" if ip else "does not resolve"
         out.append(f"host {host}: hostname {facts.get('hostname')} {seen}; Gloo needs it to resolve to the "
                    "host's routable address (fix /etc/hosts, e.g. remove a '127.0.1.1 <hostname>' line)")
@@ -208,7 +212,21 @@ def preflight(hosts: list[Host], nic: str, controller: str, ssh_port: int | None
         jobs = [pool.submit(probe, h.name, f, nic, ssh_port) for h, f in zip(hosts, flags)]
         ref = ref_job.result()
         return [line for h, j in zip(hosts, jobs)
-                for line in host_problems(h.name, j.result(), ref, nic, controller, h.slots)]
+                for line in host_problems(h.name, j.result(), ref, nic, controller, h.slots, len(hosts) == 1)]
+
+
+def _at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]; anything else is one usage line."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: expected {low}" +
+                                             (f" to {high}" if high is not None else " or more"))
+        return value
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,17 +234,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", help="hostfile with 'host slots=N' lines")
     p.add_argument("--host-discovery-script", metavar="COMMAND",
                    help="elastic mode: command printing host:slots lines (e.g. 'scripts/discover_hosts.sh hosts.txt')")
-    p.add_argument("--min-np", type=int, help="elastic: fewest ranks to keep training with (default 1)")
-    p.add_argument("--max-np", type=int, help="elastic: most ranks (default: the slots discovered now)")
-    p.add_argument("--blacklist-cooldown", type=int, nargs=2, metavar=("MIN_S", "MAX_S"),
+    p.add_argument("--min-np", type=_at_least(1), help="elastic: fewest ranks to keep training with (default 1)")
+    p.add_argument("--max-np", type=_at_least(1), help="elastic: most ranks (default: the slots discovered now)")
+    p.add_argument("--elastic-timeout", type=_at_least(1), metavar="S",
+                   help="elastic: how long to wait for --min-np workers (at the start, or after hosts left) "
+                        "before the job stops (default: horovodrun's, 600 s)")
+    p.add_argument("--blacklist-cooldown", type=_at_least(0), nargs=2, metavar=("MIN_S", "MAX_S"),
                    help="elastic: a failed host may rejoin after this many seconds (default: never)")
-    p.add_argument("-np", "--np", type=int, help="number of ranks (default: all slots)")
+    p.add_argument("-np", "--np", type=_at_least(1), help="number of ranks (default: all slots)")
     p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo", help="Horovod controller (default gloo)")
     p.add_argument("--network-interface", help="NIC for Horovod traffic, checked on every host (e.g. eth0, ib0)")
     p.add_argument("--mpi-allreduce", choices=("ring", "default"), default="ring",
                    help="MPI only: force Open MPI's ring allreduce (default) or keep its own choice")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments (not --mca btl: horovodrun sets it)")
-    p.add_argument("--ssh-port", type=int, help="ssh port on the hosts")
+    p.add_argument("--ssh-port", type=_at_least(1, 65535), help="ssh port on the hosts")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks over ssh")
     p.add_argument("--dry-run", action="store_true", help="print the horovodrun command and exit")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- COMMAND ... to run on every rank")

@@ -33,8 +33,15 @@ from hvdtrain.tools.hosts import Host
 RUN_ID = "HVDTRAIN_RUN_ID"
 RELAYED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 _RANK_VARS = (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=")
-# horovodrun's words for a rank's exit status: Gloo "Exit code: 99", MPI "mpirun failed with exit code 99".
-_EXIT = re.compile(r"exit code:? (\d+)", re.IGNORECASE)
+# horovodrun's words for a rank's exit status: Gloo "Exit code: 99", MPI "Exit code:    99" and
+# "mpirun failed with exit code 99"; for the rank that exited first: Gloo "Process name: 1", MPI
+# "Process name: [[31524,1],1]" (job id, then the rank).
+_EXIT = re.compile(r"exit code:?\s+(\d+)", re.IGNORECASE)
+_FIRST = re.compile(r"^\s*Process name:\s+(?:\[\[\d+,\d+\],)?(\d+)\]?\s*$")
+# Lines that ranks print carry horovodrun's tag ("[1]<stderr>:" or "[1,1]<stderr>:"); the others are its own.
+# The elastic driver's words when fewer than --min-np workers remain for --elastic-timeout seconds.
+_TOO_FEW = re.compile(r"enough resources to run at least (\d+) Horovod processes.*Timeout after (\d+) seconds")
+_TAGGED = re.compile(r"^\[\d+(?:,\d+)?\]<std(?:out|err)>:")
 
 
 def rank_pids(run_id: str) -> list[int]:
@@ -96,12 +103,58 @@ def relay(signum: int, run_id: str, hosts: Sequence[Host], local: Sequence[bool]
     return reached + sum(counts)
 
 
-def _copy(src: IO[str], dst: IO[str], seen: list[int]) -> None:
-    """horovodrun's output to ours, whole lines; the exit codes it reports are kept."""
+class Exits:
+    """What horovodrun says of its ranks' exits: the codes, in order, and the rank that exited first."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.first: int | None = None
+        self.too_few: tuple[int, int] | None = None  # (min-np, timeout s): the elastic driver gave up
+
+    def read(self, line: str) -> None:
+        if _TAGGED.match(line):
+            return  # a rank's own words, not horovodrun's
+        self.codes += [int(code) for code in _EXIT.findall(line)]
+        few = _TOO_FEW.search(line)
+        if few and self.too_few is None:
+            self.too_few = (int(few.group(1)), int(few.group(2)))
+        m = _FIRST.match(line)
+        if m and self.first is None:
+            self.first = int(m.group(1))
+
+
+def _copy(src: IO[str], dst: IO[str], exits: Exits) -> None:
+    """horovodrun's output to ours, whole lines, reading the exits it reports. horovodrun (Gloo)
+    ends a failed run with a Python traceback of its own, ~20 lines that only say a rank exited
+    first (in elastic mode, ~80 more of its HTTP server's broken pipes): held back, and replaced by
+    `summary`'s line when that is all they say."""
+    held: list[str] = []
     for line in src:
+        exits.read(line)
+        if held or (line.startswith("Traceback (most recent call last)") and not _TAGGED.match(line)):
+            held.append(line)
+            continue
         dst.write(line)
         dst.flush()
-        seen += [int(code) for code in _EXIT.findall(line)]
+    known = exits.too_few is not None or any("processes exited with non-zero status" in line for line in held)
+    if held and not known:
+        dst.writelines(held)  # some other failure of horovodrun itself: show it whole
+    dst.flush()
+
+
+def summary(exits: Exits, rc: int, stopped_code: int) -> str | None:
+    """One line on how the run ended, when a rank failed."""
+    if rc != 0 and exits.too_few is not None:
+        low, seconds = exits.too_few
+        return (f"hvdtrain: launch: fewer than --min-np {low} workers were left for {seconds} s (--elastic-timeout), "
+                "so the elastic job stopped; add hosts (or lower --min-np) and rerun with --resume auto to "
+                "continue from the last checkpoint")
+    if rc == 0 or exits.first is None or exits.codes[:1] == [stopped_code]:
+        return None
+    code = f" with code {exits.codes[0]}" if exits.codes else ""
+    return (f"hvdtrain: launch: rank {exits.first} exited first{code}, and the other ranks were stopped; its "
+            "lines above (tagged with its rank) say why. Fix that and rerun with --resume auto to continue "
+            "from the last checkpoint")
 
 
 def run(cmd: list[str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: int | None,
@@ -112,8 +165,8 @@ def run(cmd: list[str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: 
     env = dict(os.environ, **{RUN_ID: run_id})
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
-    seen: list[int] = []
-    copier = threading.Thread(target=_copy, args=(proc.stdout, sys.stdout, seen), daemon=True)
+    exits = Exits()
+    copier = threading.Thread(target=_copy, args=(proc.stdout, sys.stdout, exits), daemon=True)
     copier.start()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -136,4 +189,7 @@ def run(cmd: list[str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: 
         for s, handler in previous.items():
             signal.signal(s, handler)
     copier.join(10)
-    return stopped_code if rc != 0 and seen[:1] == [stopped_code] else rc
+    line = summary(exits, rc, stopped_code)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return stopped_code if rc != 0 and exits.codes[:1] == [stopped_code] else rc

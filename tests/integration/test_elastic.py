@@ -178,3 +178,58 @@ def test_adaptive_batch_survives_worker_lost_and_back(tmp_path):
     passes = _epochs(order)
     assert len(passes) <= 8 and all(len(p) > 1257 - 192 for p in passes[:-1]), [len(p) for p in passes]
     assert accuracy >= 0.9, accuracy
+
+
+def _launch_elastic(tmp_path: Path, hosts: Path, timeout_s: int) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "elastic"
+    cmd = [str(BIN / "hvdtrain"), "launch", "--no-preflight", "--host-discovery-script", f"{DISCOVER} {hosts}",
+           "--min-np", "2", "--max-np", "2", "--elastic-timeout", str(timeout_s), "--",
+           *_args(out, 0.05, "train.epochs=8")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen, deadline: float) -> str:
+    try:
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"hung past its deadline\n{rank_tails(output, 40)}") from None
+    return output
+
+
+def test_a_host_removed_below_min_np_ends_the_job_within_the_elastic_timeout(tmp_path):
+    # horovod#3494 reports a hang here; Horovod 0.28.1's driver waits --elastic-timeout for --min-np
+    # workers, then stops the job. The launcher says so in one line instead of ~80 of tracebacks.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    proc, out = _launch_elastic(tmp_path, hosts, 15)
+    deadline = time.monotonic() + TIMEOUT
+    _wait(proc, out, "step 6 at 2 ranks", lambda t: 6 in t, deadline)
+    hosts.write_text("localhost:1\n")  # a graceful removal: the host leaves the discovery's list
+    removed = time.monotonic()
+    output = _finish(proc, removed + 90)
+    ended = time.monotonic() - removed
+    assert proc.returncode != 0 and ended < 15 + 45, (ended, rank_tails(output, 40))
+    assert ("hvdtrain: launch: fewer than --min-np 2 workers were left for 15 s (--elastic-timeout), so the "
+            "elastic job stopped") in output, rank_tails(output, 40)
+    assert "Traceback" not in output and "BrokenPipeError" not in output, output[-3000:]
+    print(f"ended {ended:.1f} s after the host left")
+
+
+def test_a_host_back_within_the_elastic_timeout_lets_the_job_go_on(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    proc, out = _launch_elastic(tmp_path, hosts, 60)
+    deadline = time.monotonic() + TIMEOUT
+    _wait(proc, out, "step 6 at 2 ranks", lambda t: 6 in t, deadline)
+    hosts.write_text("localhost:1\n")
+    time.sleep(5)  # below --min-np for a while: the survivor waits
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    output = _finish(proc, deadline)
+    assert proc.returncode == 0, rank_tails(output, 40)
+    trace = _trace(out)
+    assert sorted(trace) == list(range(1, len(trace) + 1)) and {r["world_size"] for r in trace.values()} == {2}
+    assert _accuracy(output) >= 0.9

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import BIN, ROOT, env, horovodrun, untag
+from launch import BIN, ROOT, env, horovodrun, run, untag
 
 from hvdtrain.checkpoint import load_checkpoint
 
@@ -143,3 +143,15 @@ def test_a_checkpoint_into_a_full_disk_keeps_latest_and_follows_on_error(full_di
     assert (ckpt / "latest").read_text() == "step_00000005"
     assert load_checkpoint(ckpt / "step_00000005")["step"] == 5
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000005"]  # no temp folder left
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_that_dies_ends_the_job_with_one_line_naming_it(controller, tmp_path):
+    cmd = [CLI, "launch", "--no-preflight", "--hosts", "localhost:2", "--controller", controller, "--",
+           str(BIN / "python"), str(HERE / "scripts" / "slow_train.py"), "0", *TRAIN, "--out", str(tmp_path / "run")]
+    res = run(cmd, check=False, timeout=180, env=env(EXIT_AT="5"))
+    assert res.returncode != 0 and "Traceback" not in res.stdout, res.stdout[-3000:]
+    assert ("hvdtrain: launch: rank 1 exited first with code 3, and the other ranks were stopped; its lines above "
+            "(tagged with its rank) say why. Fix that and rerun with --resume auto") in res.stdout, res.stdout[-3000:]
+    if controller == "gloo":  # the survivor learns of it (Open MPI's mpirun stops it first)
+        assert "hvdtrain: rank 0: error: another rank exited or lost its connection" in res.stdout, res.stdout[-3000:]

@@ -147,3 +147,50 @@ def test_a_second_signal_or_the_grace_deadline_ends_the_rank_at_once(how):
     err = proc.stderr.read()
     assert rc == EXIT_STOPPED and time.monotonic() - t0 < 5, err
     assert ("a second stop signal (SIGUSR1)" if how == "second signal" else "train.stop_grace=0.5 s passed") in err
+
+
+SLURM_CONFIG = """task: digits
+train: {epochs: 400, batch_size: 32, max_steps: 4000}
+optim: {name: sgd, lr: 0.05, momentum: 0.9}
+log: {every: 1, progress: false, tensorboard: false}
+checkpoint: {every: 100000}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_slurm_script_stops_on_its_signal_and_requeues_the_job(tmp_path):
+    # examples/slurm.sbatch as Slurm runs it: bash in the submit folder with the job's variables, on
+    # one "node" (this host, 2 ranks); `scontrol` is a stand-in that records the requeue.
+    submit = tmp_path / "submit"
+    (submit / "configs").mkdir(parents=True)
+    (submit / ".venv").symlink_to(BIN.parent)
+    (submit / "configs" / "digits.yaml").write_text(SLURM_CONFIG)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    (stub / "scontrol").chmod(0o755)
+    slurm = {"SLURM_SUBMIT_DIR": str(submit), "SLURM_JOB_NAME": "digits", "SLURM_JOB_ID": "4242",
+             "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1",
+             "HVDTRAIN_NIC": "lo", "PATH": f"{stub}:{env()['PATH']}"}
+    script = str(ROOT / "examples" / "slurm.sbatch")
+    proc = subprocess.Popen(["bash", script], env=env(**slurm), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = submit / "runs" / "digits-4242"
+    wait_for_step(out, 50, proc)
+    os.kill(proc.pid, signal.SIGUSR1)  # --signal=B:USR1@90: the batch shell alone
+    rc, text = finish(proc)
+    assert rc == 0 and "requeueing job 4242" in text, rank_tails(text)
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    (ckpt,) = (out / "checkpoints").glob("step_*")
+    step = load_checkpoint(ckpt)["step"]
+    assert 50 <= step < 4000
+    # The requeued job: the same script, the same job id, resumes from that checkpoint.
+    proc = subprocess.Popen(["bash", script], env=env(**slurm), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for_step(out, step + 20, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # a preemption this time
+    rc, text = finish(proc)
+    resumed = f"resumed from runs/digits-4242/checkpoints/{ckpt.name}"  # relative to the submit folder
+    assert rc == 0 and resumed in text and "requeueing job 4242" in text, rank_tails(text)
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n" * 2

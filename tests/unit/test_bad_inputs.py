@@ -2,9 +2,11 @@
 no file written. Run in-process (size 1): each case fails before any collective."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,15 @@ def _script(folder: Path, body: str, mode: int = 0o755) -> str:
 def _hostfile(folder: Path, text: str) -> str:
     (folder / "hosts").write_text(text)
     return str(folder / "hosts")
+
+
+def _file(folder: Path, name: str, data: str | bytes) -> str:
+    path = folder / name
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return str(path)
+
+
+RANDOM = bytes(range(128, 256)) * 3  # not UTF-8, as random bytes almost never are
 
 
 def _state(folder: Path, content: object, truncate: bool = False) -> str:
@@ -58,7 +69,23 @@ LAUNCH = {
     "elastic on MPI": (lambda d: ["--host-discovery-script", _script(d, "echo a:2"), "--controller", "mpi"],
                        "elastic training runs on Gloo only"),
     "min-np without discovery": (lambda d: ["--hosts", "a:2", "--min-np", "1"],
-                                 "--min-np/--max-np need --host-discovery-script"),
+                                 "--min-np/--max-np/--elastic-timeout need --host-discovery-script"),
+    "host with 0 slots written 00": (lambda d: ["--hosts", "a:00"],
+                                     "bad --hosts entry 'a:00': expected host or host:slots with slots >= 1"),
+    "host listed twice": (lambda d: ["--hosts", "a:1,b:1,a:2"], "--hosts lists host a twice"),
+    "host listed twice in a hostfile": (lambda d: ["--hostfile", _hostfile(d, "a slots=1\na slots=2\n")],
+                                        "hostfile {d}/hosts lists host a twice"),
+    "hostfile of random bytes": (lambda d: ["--hostfile", _file(d, "hosts", RANDOM)],
+                                 "hostfile {d}/hosts is not text; expected 'host slots=N' lines"),
+}
+
+# argparse's own refusals: its usage, then one line naming the option and the range.
+LAUNCH_NUMBERS = {
+    "-np -1": (["-np", "-1"], "argument -np/--np: -1 is out of range: expected 1 or more"),
+    "-np 0": (["-np", "0"], "argument -np/--np: 0 is out of range: expected 1 or more"),
+    "--min-np 0": (["--min-np", "0"], "argument --min-np: 0 is out of range: expected 1 or more"),
+    "--ssh-port 70000": (["--ssh-port", "70000"], "argument --ssh-port: 70000 is out of range: expected 1 to 65535"),
+    "-np two": (["-np", "two"], "argument -np/--np: 'two' is not a whole number"),
 }
 
 TRAIN = {
@@ -72,6 +99,34 @@ TRAIN = {
                              "checkpoint {d}/ckpt/state.pt is corrupt or not an hvdtrain checkpoint"),
     "elastic commit interval": (lambda d: ["--elastic", "--set", "elastic.commit_every=0"],
                                 "elastic.commit_every=0 must be >= 1"),
+    "config top level is a list": (lambda d: ["--config", _file(d, "c.yaml", "- train\n- optim\n")],
+                                   "config file {d}/c.yaml must hold sections (train:, optim:, ...) at the top "
+                                   "level, not a list"),
+    "config top level is a string": (lambda d: ["--config", _file(d, "c.yaml", "digits\n")],
+                                     "config file {d}/c.yaml must hold sections (train:, optim:, ...) at the top "
+                                     "level, not a str"),
+    "config of random bytes (YAML)": (lambda d: ["--config", _file(d, "c.yaml", RANDOM)],
+                                      "config file {d}/c.yaml is not UTF-8 text; expected YAML"),
+    "config of random bytes (TOML)": (lambda d: ["--config", _file(d, "c.toml", RANDOM)],
+                                      "config file {d}/c.toml is not UTF-8 text; expected TOML"),
+    "config is a folder": (lambda d: ["--config", str(d)], "config file {d} is a folder; give a YAML or TOML file"),
+    "YAML key given twice": (lambda d: ["--config", _file(d, "c.yaml", "train:\n  epochs: 2\n  epochs: 3\n")],
+                             "config file {d}/c.yaml: key 'epochs' appears twice in one section (line 3)"),
+    "YAML key that is not a name": (lambda d: ["--config", _file(d, "c.yaml", "train:\n  5: 2\n")],
+                                    "key 5 in train is not a name; allowed: accumulation"),
+    "NaN for a number": (lambda d: ["--set", "optim.lr=.nan"], "optim.lr=nan must be a finite number"),
+    "infinity for a number": (lambda d: ["--set", "train.stall_timeout=.inf"],
+                              "train.stall_timeout=inf must be a finite number"),
+    "NaN in a TOML file": (lambda d: ["--config", _file(d, "c.toml", "[optim]\nlr = nan\n")],
+                           "optim.lr=nan must be a finite number"),
+    "--out is a file": (lambda d: ["--set", f"log.dir={_file(d, 'f', 'x')}"],
+                        "log.dir={d}/f is a file, not a folder; choose another path"),
+    "--out under a file": (lambda d: ["--set", f"checkpoint.dir={_file(d, 'f', 'x')}/run/ck"],
+                           "checkpoint.dir={d}/f/run/ck: {d}/f is a file, so no folder can be made under it"),
+    "--out name too long": (lambda d: ["--set", f"log.dir={d}/{'x' * 300}"],
+                            "is longer than 255 bytes; choose a shorter path"),
+    "--out where no folder can be made": (lambda d: ["--set", "log.dir=/proc/hvdtrain-run"],
+                                          "log.dir=/proc/hvdtrain-run: cannot create a folder in /proc"),
 }
 
 
@@ -90,6 +145,61 @@ def test_launch_bad_input(case, tmp_path, capsys, monkeypatch):
     args, message = LAUNCH[case]
     argv = ["launch", "--no-preflight", "--dry-run", *args(tmp_path), "--", "hvdtrain", "train"]
     _check(capsys, tmp_path, argv, message)
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCH_NUMBERS))
+def test_launch_bad_numbers(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, message = LAUNCH_NUMBERS[case]
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", "--no-preflight", "--dry-run", "--hosts", "a:2", *args, "--", "hvdtrain", "train"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exc.value.code == 2 and err[-1] == f"hvdtrain launch: error: {message}", err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only tmpfs (root only)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_out_on_a_read_only_file_system(read_only, tmp_path, capsys, world):
+    argv = ["train", "--set", "log.progress=false", "--out", f"{read_only}/run"]
+    _check(capsys, tmp_path, argv, f"log.dir={read_only}/run: {read_only} is on a read-only file system")
+
+
+def test_out_without_permission(tmp_path):
+    # As an ordinary user (root may write anywhere): `nobody` in a folder only root may write.
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run as another user")
+    def as_nobody(out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                               "hvdtrain.tools.cli", "train", "--task", "digits", "--out", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "HOME": "/nonexistent", "PYTHONPATH": str(ROOT)})
+
+    locked = Path(tempfile.mkdtemp(prefix="hvdtrain-locked-"))  # 0700 and root's: nobody cannot look in
+    try:
+        res = as_nobody(locked / "run")
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.strip().splitlines() == [f"hvdtrain: error: log.dir={locked}/run: no permission to look "
+                                                   f"inside {locked} (as user nobody); choose a path this user can "
+                                                   "reach"]
+        locked.chmod(0o755)  # now nobody can look in, but not write
+        res = as_nobody(locked / "run")
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.strip().splitlines() == [f"hvdtrain: error: log.dir={locked}/run: no permission to "
+                                                   f"write in {locked} (as user nobody); choose a writable path"]
+        assert not list(locked.iterdir())
+    finally:
+        shutil.rmtree(locked)
 
 
 @pytest.mark.parametrize("case", sorted(TRAIN))

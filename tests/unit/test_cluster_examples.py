@@ -33,7 +33,10 @@ def test_slurm_scripts_start_ranks_through_pmix_one_per_gpu():
         lines = sbatch_lines(name)
         opts = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", "\n".join(lines), re.M))
         assert opts["ntasks-per-node"] == opts["gpus-per-node"], name
-        assert "requeue" in (EXAMPLES / name).read_text()
+        text = (EXAMPLES / name).read_text()
+        # srun passes the signal to every rank (no B:); a stop exits 99 and the job is requeued.
+        assert "#SBATCH --signal=USR1@90" in text and "#SBATCH --requeue" in text, name
+        assert 'if [ "$rc" -eq 99 ]; then scontrol requeue "$SLURM_JOB_ID"' in text, name
         (srun,) = [line for line in lines if line.startswith("srun ")]
         assert "--mpi=pmix" in srun and "hvdtrain train" in srun and "--resume auto" in srun, name
         assert subprocess.run(["bash", "-n", str(EXAMPLES / name)]).returncode == 0
@@ -41,3 +44,11 @@ def test_slurm_scripts_start_ranks_through_pmix_one_per_gpu():
     assert "--container-image=" in pyxis and "--container-mounts=" in pyxis
     apptainer = " ".join(sbatch_lines("apptainer.sbatch"))
     assert re.search(r"apptainer exec --nv\b", apptainer)
+
+
+def test_the_ssh_slurm_script_takes_its_signal_in_the_batch_shell_and_requeues_on_exit_99():
+    # How it behaves is tested end to end in tests/integration/test_preemption.py.
+    text = (EXAMPLES / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@90" in text and "#SBATCH --requeue" in text
+    assert "trap 'kill -USR1 \"$launcher\"' USR1" in text and '--resume auto' in text
+    assert subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")]).returncode == 0

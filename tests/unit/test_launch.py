@@ -142,6 +142,8 @@ def test_host_problems_each_one_line_naming_the_host():
         assert part in text
     # MPI does not use gethostname() for its transport: the loopback trap is Gloo's only.
     assert len(launch.host_problems("n1", bad, REF, "ib0", "mpi")) == 5
+    # Nor does it matter to a run on one host: its ranks meet on loopback.
+    assert len(launch.host_problems("n1", bad, REF, "ib0", "gloo", alone=True)) == 5
     assert launch.host_problems("n2", {"error": "not reachable over ssh: timeout"}, REF, "", "gloo") == [
         "host n2: not reachable over ssh: timeout"]
 
