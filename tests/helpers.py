@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,6 +40,22 @@ def shared_tmpdir(world) -> str:
     """A folder made by rank 0 and named to every rank (all ranks run on one host in tests)."""
     path = tempfile.mkdtemp(prefix="hvdtrain-test-") if world.is_root else None
     return world.broadcast_object(path, name="test.tmpdir")
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at `path` (made here) with mount `options`; pytest.skip where mounting needs
+    root this process lacks. Unmounted on exit."""
+    import pytest
+
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:

@@ -48,16 +48,23 @@ def run(cmd: list[str], timeout: float = 240, check: bool = True, split: bool = 
     kw.setdefault("cwd", ROOT)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if split else subprocess.STDOUT,
                             text=True, start_new_session=True, **kw)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{rank_tails(out + (err or ''))}") from None
+    out, err = finish(proc, timeout, " ".join(cmd))
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{rank_tails(out, 40)}")
     return result
+
+
+def finish(proc: subprocess.Popen, timeout: float, what: str = "") -> tuple[str, str]:
+    """Wait for `proc` (started in a session of its own) and return its (stdout, stderr); after
+    `timeout` seconds kill its whole process group and fail, showing each rank's last lines."""
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout:.0f} s: {what}\n{rank_tails(out + (err or ''), 40)}") from None
+    return out, err or ""
 
 
 def horovodrun(args: list[str], np: int = 2, controller: str = "gloo", **kw) -> subprocess.CompletedProcess:

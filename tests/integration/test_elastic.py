@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
-from launch import BIN, ROOT, env, rank_tails, run, untag
+from launch import BIN, ROOT, env, finish, rank_tails, run, untag
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "elastic_digits.py")
 DISCOVER = str(ROOT / "scripts" / "discover_hosts.sh")
@@ -191,13 +191,7 @@ def _launch_elastic(tmp_path: Path, hosts: Path, timeout_s: int) -> tuple[subpro
 
 
 def _finish(proc: subprocess.Popen, deadline: float) -> str:
-    try:
-        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"hung past its deadline\n{rank_tails(output, 40)}") from None
-    return output
+    return finish(proc, deadline - time.monotonic(), "the elastic run")[0]
 
 
 def test_a_host_removed_below_min_np_ends_the_job_within_the_elastic_timeout(tmp_path):

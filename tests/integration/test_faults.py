@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import tmpfs
 from launch import BIN, ROOT, env, horovodrun, run, untag
 
 from hvdtrain.checkpoint import load_checkpoint
@@ -105,20 +106,14 @@ def test_kill_at_a_random_step_then_resume_gives_bitwise_equal_weights(tmp_path)
 @pytest.fixture
 def full_disk(tmp_path):
     """A 16 MiB tmpfs (root only) for the checkpoints; `fill()` takes its last free byte."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
+    with tmpfs(tmp_path / "tmpfs", "size=16m") as mount:
+        def fill() -> None:
+            with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
 
-    def fill() -> None:
-        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-
-    yield mount, fill
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+        yield mount, fill
 
 
 @pytest.mark.parametrize("on_error", ["warn", "stop"])

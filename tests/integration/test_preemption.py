@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from launch import BIN, ROOT, env, rank_tails
+from launch import finish as launch_finish
 
 from hvdtrain.checkpoint import load_checkpoint
 from hvdtrain.stop import EXIT_STOPPED
@@ -34,12 +35,7 @@ def launch(controller: str, out, *extra: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out:\n{rank_tails(out)}") from None
+    out, _ = launch_finish(proc, timeout)
     return proc.returncode, out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tmpfs
 
 from hvdtrain.tools.cli import main
 
@@ -161,13 +162,8 @@ def test_launch_bad_numbers(case, tmp_path, capsys, monkeypatch):
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only tmpfs (root only)."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a read-only tmpfs")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
+        yield mount
 
 
 def test_out_on_a_read_only_file_system(read_only, tmp_path, capsys, world):
