@@ -12,6 +12,7 @@ diverged into different collectives), each reports the one it waits in after the
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ class Watchdog:
         while not self._done.wait(poll):
             idle = time.monotonic() - self._last
             if idle > self._limit:
-                print(f"hvdtrain: error: rank {self.rank} made no progress for {idle:.0f} s "
+                print(f"hvdtrain: error: rank {self.rank} on {socket.gethostname()} made no progress for {idle:.0f} s "
                       f"(train.stall_timeout={self.timeout:g} s), stuck in {self.phase} at step {self.step}",
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_STALLED)

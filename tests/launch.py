@@ -3,11 +3,13 @@ last output lines so the log says which rank stopped where."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,3 +71,17 @@ def finish(proc: subprocess.Popen, timeout: float, what: str = "") -> tuple[str,
 
 def horovodrun(args: list[str], np: int = 2, controller: str = "gloo", **kw) -> subprocess.CompletedProcess:
     return run([str(BIN / "horovodrun"), "-np", str(np), f"--{controller}", *args], **kw)
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until the run writing `out` has logged `step` to metrics.jsonl; fail if `proc` ends first."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"ended before step {step}:\n{proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        # only whole lines: the writer may be midway through the last one
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
+        if any(json.loads(line).get("step", 0) >= step for line in lines):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")

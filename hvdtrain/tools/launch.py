@@ -248,6 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MPI only: force Open MPI's ring allreduce (default) or keep its own choice")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments (not --mca btl: horovodrun sets it)")
     p.add_argument("--ssh-port", type=_at_least(1, 65535), help="ssh port on the hosts")
+    p.add_argument("--ssh-alive", type=_at_least(0), default=30, metavar="S",
+                   help="end an ssh session to a host that stops answering after about S s (ServerAlive), so "
+                        "a lost link ends the job, or drops the host from an elastic one (0: leave ssh alone)")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks over ssh")
     p.add_argument("--dry-run", action="store_true", help="print the horovodrun command and exit")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- COMMAND ... to run on every rank")
@@ -275,4 +278,5 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     # Not exec: stop signals sent to the launcher (Slurm's --signal=B:USR1@90, scancel --signal,
     # kill) reach the ranks as a graceful stop, and the launcher's exit code says so (relay.py).
     local = _local_addresses()
-    return relay.run(cmd, hosts, [is_local(h.name, local) for h in hosts], args.ssh_port, EXIT_STOPPED)
+    return relay.run(cmd, hosts, [is_local(h.name, local) for h in hosts], args.ssh_port, EXIT_STOPPED,
+                     args.ssh_alive)

@@ -20,9 +20,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
@@ -73,17 +75,62 @@ def signal_ranks(run_id: str, signum: int) -> int:
     return len(pids)
 
 
+def _ssh(host: str, ssh_port: int | None, command: str, connect_s: int = 10) -> list[str]:
+    port = ["-p", str(ssh_port)] if ssh_port else []
+    return ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", f"ConnectTimeout={connect_s}",
+            *port, host, command]
+
+
 def _remote(host: Host, run_id: str, signum: int, ssh_port: int | None) -> int:
     code = (f"from hvdtrain.tools.relay import signal_ranks; "
             f"print(signal_ranks({run_id!r}, {int(signum)}))")
-    port = ["-p", str(ssh_port)] if ssh_port else []
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=10", *port,
-           host.name, shlex.join([sys.executable, "-c", code])]
+    cmd = _ssh(host.name, ssh_port, shlex.join([sys.executable, "-c", code]))
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
         return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         return 0
+
+
+def unreachable(hosts: Sequence[Host], local: Sequence[bool], ssh_port: int | None) -> list[str]:
+    """One line per remote host that does not answer over ssh within 10 s (checked in parallel):
+    after a failed run, the likeliest cause is a link or a host that went down."""
+    remote = [h.name for h, is_local in zip(hosts, local) if not is_local]
+    why: dict[str, str] = {}
+
+    def check(name: str) -> None:
+        try:
+            out = subprocess.run(_ssh(name, ssh_port, "true", 5), capture_output=True, text=True, timeout=10,
+                                 stdin=subprocess.DEVNULL)
+            if out.returncode != 0:
+                why[name] = (out.stderr.strip().splitlines() or [f"ssh exit {out.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            why[name] = "no answer within 10 s"
+
+    threads = [threading.Thread(target=check, args=(name,), daemon=True) for name in remote]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return [f"hvdtrain: launch: host {name} does not answer over ssh ({why[name]}): its link or the host itself "
+            "is down, and the job stopped; rerun once it is back, or without it, with --resume auto to continue "
+            "from the last checkpoint" for name in remote if name in why]
+
+
+def keepalive_ssh(folder: str, seconds: int) -> str:
+    """An `ssh` for horovodrun and mpirun to find first on PATH: the real one with ServerAlive
+    options, so a session to a host that stops answering (a link down, a switch port, a firewall)
+    ends after about `seconds` instead of TCP's ~2 hours; then horovodrun or mpirun sees the
+    rank or its daemon gone and ends the job (an elastic job goes on without the host). Returns
+    the folder to put first on PATH."""
+    real = shutil.which("ssh") or "/usr/bin/ssh"
+    interval = max(1, seconds // 3)
+    path = os.path.join(folder, "ssh")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\nexec {shlex.quote(real)} -o ServerAliveInterval={interval} "
+                f"-o ServerAliveCountMax=3 \"$@\"\n")
+    os.chmod(path, 0o755)
+    return folder
 
 
 def relay(signum: int, run_id: str, hosts: Sequence[Host], local: Sequence[bool], ssh_port: int | None) -> int:
@@ -110,6 +157,7 @@ class Exits:
         self.codes: list[int] = []
         self.first: int | None = None
         self.too_few: tuple[int, int] | None = None  # (min-np, timeout s): the elastic driver gave up
+        self.daemon_lost: list[str] = []  # Open MPI's notice that a host's daemon went away
 
     def read(self, line: str) -> None:
         if _TAGGED.match(line):
@@ -123,19 +171,40 @@ class Exits:
             self.first = int(m.group(1))
 
 
+_DAEMON_LOST = "ORTE was unable to reliably start one or more daemons"
+
+
 def _copy(src: IO[str], dst: IO[str], exits: Exits) -> None:
-    """horovodrun's output to ours, whole lines, reading the exits it reports. horovodrun (Gloo)
-    ends a failed run with a Python traceback of its own, ~20 lines that only say a rank exited
-    first (in elastic mode, ~80 more of its HTTP server's broken pipes): held back, and replaced by
-    `summary`'s line when that is all they say."""
+    """horovodrun's output to ours, whole lines, reading the exits it reports. Two failure texts are
+    held back, to be replaced by one line when the launcher knows their cause: horovodrun's (Gloo)
+    own Python traceback at the end of a failed run, ~20 lines that only say a rank exited first (in
+    elastic mode, ~80 more of its HTTP server's broken pipes), by `summary`'s line; and Open MPI's
+    20-line lost-daemon notice (libraries, /tmp, Cray...) when a host's ssh session ended, kept in
+    `exits.daemon_lost` for `_run` to show only if no host is found down."""
     held: list[str] = []
+    block: list[str] = []  # an Open MPI notice between two rules of dashes
     for line in src:
         exits.read(line)
-        if held or (line.startswith("Traceback (most recent call last)") and not _TAGGED.match(line)):
+        untagged = not _TAGGED.match(line)
+        if untagged and line.startswith("-----") and not held:
+            block.append(line)
+            if len(block) > 1:
+                if any(_DAEMON_LOST in b for b in block):
+                    exits.daemon_lost = block
+                    dst.writelines(b for b in block if _TAGGED.match(b))
+                else:
+                    dst.writelines(block)
+                block = []
+            continue
+        if block:
+            block.append(line)
+            continue
+        if held or (line.startswith("Traceback (most recent call last)") and untagged):
             held.append(line)
             continue
         dst.write(line)
         dst.flush()
+    dst.writelines(block)  # an unfinished notice: as it is
     known = exits.too_few is not None or any("processes exited with non-zero status" in line for line in held)
     if held and not known:
         dst.writelines(held)  # some other failure of horovodrun itself: show it whole
@@ -158,11 +227,20 @@ def summary(exits: Exits, rc: int, stopped_code: int) -> str | None:
 
 
 def run(cmd: list[str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: int | None,
-        stopped_code: int) -> int:
+        stopped_code: int, ssh_alive_s: int = 30) -> int:
     """Run horovodrun, relaying stop signals to the ranks; its exit code, or `stopped_code` when a
-    rank exited with it."""
-    run_id = uuid.uuid4().hex
-    env = dict(os.environ, **{RUN_ID: run_id})
+    rank exited with it. `ssh_alive_s` > 0: ssh sessions to hosts that stop answering end after
+    about that long (`keepalive_ssh`)."""
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-launch-") as folder:
+        env = dict(os.environ, **{RUN_ID: uuid.uuid4().hex})
+        if ssh_alive_s > 0 and not all(local):
+            env["PATH"] = keepalive_ssh(folder, ssh_alive_s) + os.pathsep + env.get("PATH", "")
+        return _run(cmd, env, hosts, local, ssh_port, stopped_code)
+
+
+def _run(cmd: list[str], env: dict[str, str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: int | None,
+         stopped_code: int) -> int:
+    run_id = env[RUN_ID]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     exits = Exits()
@@ -189,7 +267,14 @@ def run(cmd: list[str], hosts: Sequence[Host], local: Sequence[bool], ssh_port: 
         for s, handler in previous.items():
             signal.signal(s, handler)
     copier.join(10)
-    line = summary(exits, rc, stopped_code)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return stopped_code if rc != 0 and exits.codes[:1] == [stopped_code] else rc
+    stopped = exits.codes[:1] == [stopped_code]
+    down = unreachable(hosts, local, ssh_port) if rc != 0 and not stopped else []
+    # Whatever horovodrun or mpirun said (a rank exited first, a daemon went away), a host that no
+    # longer answers is the cause: name it, instead of the effects.
+    lines = down or exits.daemon_lost
+    if not down or exits.too_few:
+        lines = [*lines, summary(exits, rc, stopped_code) or ""]
+    for line in lines:
+        if line:
+            print(line.rstrip("\n"), file=sys.stderr, flush=True)
+    return stopped_code if rc != 0 and stopped else rc

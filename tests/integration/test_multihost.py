@@ -11,11 +11,12 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import BIN, ROOT, env, run
+from launch import BIN, ROOT, env, finish, run, wait_for_step
 
 from hvdtrain.checkpoint import load_checkpoint
 
@@ -173,8 +174,10 @@ def test_launch_preflight_names_each_bad_host_and_starts_nothing(bed):
 
 def test_launch_preflight_catches_a_hostname_that_resolves_to_loopback(bed):
     # Gloo trap 1, for real: `run` gives the command its own UTS namespace, so renaming it is local.
+    # With a second host: alone, a host's ranks meet on loopback and the name does not matter.
     result = run([TESTBED, "run", "sh", "-c", f"hostname localhost && exec {BIN / 'hvdtrain'} launch "
-                  "--hosts localhost:1 --controller gloo -- true"], env=bed["env"], timeout=60, check=False)
+                  f"--hosts localhost:1,{HOSTS[1]}:1 --controller gloo -- true"], env=bed["env"], timeout=60,
+                 check=False)
     assert result.returncode == 2, result.stdout
     assert result.stdout.startswith("hvdtrain: preflight: host localhost: hostname localhost resolves to loopback "
                                     "127.0.0.1; Gloo needs it to resolve to the host's routable address"), result.stdout
@@ -191,3 +194,95 @@ def test_bench_train_runs_all_three_ways_across_hosts(bed):
     for r in runs:
         assert r["hosts"] == f"{HOSTS[1]}:1,{HOSTS[2]}:1" and r["rank_hosts"] == HOSTS[1:], r
     assert all(abs(r["last_loss"] - runs[0]["last_loss"]) <= 1e-4 * runs[0]["last_loss"] for r in runs)
+
+
+SLOW = str(ROOT / "tests" / "integration" / "scripts" / "slow_train.py")
+SLOW_TRAIN = ["train", "--config", "configs/digits.yaml", "--set", "train.epochs=50", "--set", "train.max_steps=1000",
+              "--set", "log.every=1", "--set", "log.progress=false", "--set", "log.tensorboard=false",
+              "--set", "train.stall_timeout=60"]
+
+
+def link(host: str, state: str) -> None:
+    """Take host's one link down or up (its veth end, inside its namespace): a cable pulled."""
+    subprocess.run(["ip", "netns", "exec", host, "ip", "link", "set", "eth0", state], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_link_down_ends_a_fixed_job_naming_the_host(bed, controller):
+    out = bed["tmp"] / f"link-{controller}"
+    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--hosts",
+           ",".join(f"{h}:1" for h in HOSTS), "--controller", controller, "--", str(BIN / "python"), SLOW, "0.02",
+           *SLOW_TRAIN, "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=bed["env"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_for_step(out, 20, proc, 180)
+        link(HOSTS[2], "down")
+        cut = time.monotonic()
+        text, _ = finish(proc, 150, "the job after the link went down")
+        ended = time.monotonic() - cut
+    finally:
+        link(HOSTS[2], "up")
+    print(f"{controller}: ended {ended:.1f} s after the link went down")
+    assert proc.returncode != 0, text[-3000:]
+    assert f"hvdtrain: launch: host {HOSTS[2]} does not answer over ssh" in text, text[-3000:]
+    assert f"hvdtrain: launch: host {HOSTS[1]} does not answer" not in text
+    # the effects, which name no host, give way to the cause
+    assert "hvdtrain: launch: rank" not in text and "ORTE was unable" not in text, text[-3000:]
+
+
+def world_sizes(out: Path) -> list[int]:
+    """World size of each step record, in the order written (a step replayed after a rollback is
+    written again)."""
+    path = out / "samples.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line)["world_size"] for line in lines]
+
+
+def regrown(sizes: list[int]) -> bool:
+    return 2 in sizes and 3 in sizes[sizes.index(2):]
+
+
+def wait_for(what: str, ok, proc: subprocess.Popen, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ok():
+            return time.monotonic()
+        assert proc.poll() is None, f"ended while waiting for {what}:\n{proc.stdout.read()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_link_down_drops_the_host_from_an_elastic_job_and_it_rejoins_when_back(bed):
+    # A real failure, not a graceful removal: the host stays in the discovery's list all along.
+    hosts, out = bed["tmp"] / "elastic-hosts", bed["tmp"] / "link-elastic"
+    hosts.write_text("".join(f"{h}:1\n" for h in HOSTS))
+    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--host-discovery-script",
+           f"{ROOT / 'scripts' / 'discover_hosts.sh'} {hosts}", "--min-np", "2", "--max-np", "3",
+           "--blacklist-cooldown", "1", "2", "--", str(BIN / "python"), SLOW, "0.05", *SLOW_TRAIN, "--set",
+           "train.max_steps=400", "--set", "elastic.enabled=true", "--set", "elastic.trace_samples=true",
+           "--set", "elastic.commit_every=4", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=bed["env"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_for("step 10 at 3 ranks", lambda: len(world_sizes(out)) >= 10, proc, 180)
+        link(HOSTS[2], "down")
+        cut = time.monotonic()
+        try:
+            shrunk = wait_for("a step at 2 ranks", lambda: 2 in world_sizes(out), proc, 150)
+        finally:
+            link(HOSTS[2], "up")
+        back = time.monotonic()
+        grown = wait_for("a step at 3 ranks again", lambda: regrown(world_sizes(out)), proc, 150)
+        text, _ = finish(proc, 300, "the elastic job after the host came back")
+    except BaseException:
+        os.killpg(proc.pid, 9)
+        raise
+    print(f"elastic: first step at 2 ranks {shrunk - cut:.1f} s after the link went down, "
+          f"at 3 ranks again {grown - back:.1f} s after it came back")
+    assert proc.returncode == 0, text[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    sizes = world_sizes(out)
+    assert sorted(set(steps)) == list(range(1, 401)) and sizes[0] == sizes[-1] == 3 and regrown(sizes), sizes

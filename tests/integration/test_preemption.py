@@ -3,7 +3,6 @@ or to the launcher, stops every rank at the same step after one checkpoint, with
 (EXIT_STOPPED); `--resume auto` then ends at the weights of a run that was never stopped. A second
 signal, or train.stop_grace, ends a rank at once."""
 
-import json
 import os
 import re
 import signal
@@ -13,7 +12,7 @@ import time
 
 import pytest
 import torch
-from launch import BIN, ROOT, env, rank_tails
+from launch import BIN, ROOT, env, rank_tails, wait_for_step
 from launch import finish as launch_finish
 
 from hvdtrain.checkpoint import load_checkpoint
@@ -37,19 +36,6 @@ def launch(controller: str, out, *extra: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
     out, _ = launch_finish(proc, timeout)
     return proc.returncode, out
-
-
-def wait_for_step(out, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"ended before step {step}:\n{proc.stdout.read()[-3000:]}")
-        # only whole lines: the writer may be midway through the last one
-        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
-        if any(json.loads(line).get("step", 0) >= step for line in lines):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout} s")
 
 
 def rank_pids(out) -> dict[int, int]:

@@ -5,8 +5,10 @@ printed in tests/integration/test_faults.py and test_elastic.py runs."""
 # ruff: noqa: E501 - horovodrun's lines, verbatim
 
 import io
+import subprocess
 
-from hvdtrain.tools.relay import Exits, _copy, summary
+from hvdtrain.tools.hosts import Host
+from hvdtrain.tools.relay import Exits, _copy, keepalive_ssh, summary, unreachable
 
 GLOO_FAILED = """[0]<stdout>:hvdtrain: 2 rank(s), global batch 64, 25 steps, lr x2 (linear)
 [0]<stderr>:hvdtrain: rank 0: error: another rank exited or lost its connection
@@ -43,6 +45,34 @@ Process 1 exit with status code 143.
 Exception occurred during processing of request from ('127.0.0.1', 51352)
 Traceback (most recent call last):
 BrokenPipeError: [Errno 32] Broken pipe
+"""
+
+
+# mpirun when a host's ssh session (its orted) ended: tests/integration/test_multihost.py's link-down run.
+MPI_DAEMON_LOST = """[1,0]<stdout>:hvdtrain: 3 rank(s), global batch 96, 800 steps, lr x3 (linear)
+--------------------------------------------------------------------------
+ORTE was unable to reliably start one or more daemons.
+This usually is caused by:
+
+* not finding the required libraries and/or binaries on
+  one or more nodes. Please check your PATH and LD_LIBRARY_PATH
+  settings, or configure OMPI with --enable-orterun-prefix-by-default
+
+* lack of authority to execute on one or more specified nodes.
+  Please verify your allocation and authorities.
+
+* the inability to write startup files into /tmp (--tmpdir/orte_tmpdir_base).
+  Please check with your sys admin to determine the correct location to use.
+
+*  compilation of the orted with dynamic libraries when static are required
+  (e.g., on Cray). Please check your configure cmd line and consider using
+  one of the contrib/platform definitions for your system type.
+
+* an inability to create a connection back to mpirun due to a
+  lack of common network interfaces and/or no route found between
+  them. Please check network connectivity (including firewalls
+  and network routing requirements).
+--------------------------------------------------------------------------
 """
 
 
@@ -93,3 +123,23 @@ def test_any_other_failure_of_horovodrun_is_shown_whole():
 def test_a_ranks_own_words_are_not_read_as_horovodruns():
     _, exits = copied("[0]<stdout>:my exit code: 7\n[0]<stdout>:Process name: 5\n")
     assert exits.codes == [] and exits.first is None
+
+
+def test_open_mpis_lost_daemon_notice_is_held_back_for_the_launcher_to_judge():
+    out, exits = copied(MPI_DAEMON_LOST + "[1,1]<stdout>:after\n")
+    assert out == "[1,0]<stdout>:hvdtrain: 3 rank(s), global batch 96, 800 steps, lr x3 (linear)\n[1,1]<stdout>:after\n"
+    assert "".join(exits.daemon_lost) == MPI_DAEMON_LOST.split("\n", 1)[1]
+
+
+def test_a_host_that_does_not_answer_over_ssh_is_named_and_local_ones_are_not_asked():
+    hosts = [Host("localhost", 1), Host("no-such-host.invalid", 1)]
+    lines = unreachable(hosts, [True, False], None)
+    assert len(lines) == 1 and lines[0].startswith(
+        "hvdtrain: launch: host no-such-host.invalid does not answer over ssh (ssh: Could not resolve hostname"), lines
+    assert unreachable(hosts, [True, True], None) == []
+
+
+def test_the_keepalive_ssh_asks_the_real_one_to_give_up_on_a_silent_host(tmp_path):
+    ssh = tmp_path / keepalive_ssh(str(tmp_path), 30) / "ssh"
+    config = subprocess.run([str(ssh), "-G", "somehost"], capture_output=True, text=True, check=True).stdout
+    assert "serveraliveinterval 10" in config and "serveralivecountmax 3" in config
