@@ -54,8 +54,21 @@ class DataConfig:
     image_size: int = 32  # synthetic: image height and width
     num_classes: int = 10  # synthetic: label count
     mnist1d_samples: int = 20_000  # mnist1d: signals generated (training and held out together)
+    # Loading: 0 workers loads in the training process. Workers decode and collate ahead of the
+    # step (prefetch_factor micro-batches each) and live for the whole run (persistent_workers), not
+    # one epoch. `worker_start`: fork (PyTorch's default on Linux; any script works) or forkserver /
+    # spawn (Horovod's advice on InfiniBand hosts, whose verbs stack is not fork-safe; the script
+    # then needs `if __name__ == "__main__":`, and the dataset must pickle).
+    num_workers: int = 0
+    prefetch_factor: int = 2
+    persistent_workers: bool = True
+    worker_start: str = "fork"  # fork | forkserver | spawn
+    pin_memory: bool = True  # page-locked host batches on CUDA (async copies); ignored on CPU
 
     def __post_init__(self) -> None:
+        _at_least("data", "num_workers", self.num_workers, 0)
+        _at_least("data", "prefetch_factor", self.prefetch_factor, 1)
+        _choice("data", "worker_start", self.worker_start, ("fork", "forkserver", "spawn"))
         _at_least("data", "max_bytes", self.max_bytes, 1024)
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r} must be between 0 and 1 (exclusive)")

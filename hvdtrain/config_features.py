@@ -171,6 +171,10 @@ def check_combinations(c: Any) -> None:
     if c.adaptive.enabled and (c.memory.zero_stage or c.memory.precision == "fp16"):
         # The noise scale needs whole, unscaled gradients: ZeRO-2 keeps slices, fp16 scales them.
         raise ConfigError("adaptive.enabled needs memory.zero_stage=0 and memory.precision fp32 or bf16")
+    if c.adaptive.enabled and c.data.num_workers:
+        # Its micro-batch can change at any step, so nothing can be loaded ahead in another process.
+        raise ConfigError(f"data.num_workers={c.data.num_workers} cannot be combined with adaptive.enabled=true "
+                          "(the batch shape changes between steps); use data.num_workers=0")
     if c.memory.trace_steps and not c.log.dir:
         raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
     if c.memory.zero_stage and c.memory.precision == "fp16":

@@ -12,11 +12,14 @@ the metrics are averaged as (sum over ranks) / (count over ranks), which is exac
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from hvdtrain.config import DataConfig
 from hvdtrain.errors import DataError
 from hvdtrain.world import World
 
@@ -48,7 +51,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # Samples of this epoch already consumed, counted globally (all ranks), so the position
         # means the same thing whatever the world size on resume.
         self.consumed = 0
-        self.trace = trace  # record the indices handed out, for `take_drawn` (elastic tests)
+        self.trace = trace  # record each step's indices, for `take_drawn` (elastic tests)
         self._drawn: list[list[int]] = []
         self._perm: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (seed, epoch, n) -> permutation
         self.resize(world)
@@ -128,16 +131,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
             # With n | B this is the layout j*n*m + i*n + r of micro-batch j: the union over ranks
             # of one step is the contiguous slice a single process with batch B would draw.
             for chunk in torch.tensor_split(perm[start:start + b][rank::n], self.accumulation):
-                batch = chunk.tolist()
-                if self.trace:
-                    self._drawn.append(batch)
-                yield batch
+                yield chunk.tolist()
 
     def __len__(self) -> int:
         return (self.steps_per_epoch * self.global_batch - self.consumed) // self.global_batch * self.accumulation
 
+    def step_taken(self) -> None:
+        """The next step's micro-batches are being trained (`trace`): record them now, not when a
+        loader draws them, which with workers is steps ahead."""
+        if self.trace:
+            self.step_indices()
+
     def take_drawn(self) -> list[list[int]]:
-        """Micro-batches handed out since the last call (only while `trace` is on)."""
+        """The micro-batches of the last step taken or retried (only while `trace` is on)."""
         drawn, self._drawn = self._drawn, []
         return drawn
 
@@ -156,11 +162,25 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]
 
 
-def train_loader(dataset: Dataset, sampler: ShardedBatchSampler) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+def loader_options(dc: DataConfig, device: torch.device) -> dict[str, Any]:
+    """DataLoader arguments from the `data` section, for a run on `device`."""
+    if dc.num_workers == 0:
+        return {"num_workers": 0, "pin_memory": dc.pin_memory and device.type == "cuda"}
+    return {"num_workers": dc.num_workers, "prefetch_factor": dc.prefetch_factor,
+            "persistent_workers": dc.persistent_workers, "pin_memory": dc.pin_memory and device.type == "cuda",
+            "multiprocessing_context": multiprocessing.get_context(dc.worker_start)}
 
 
-def eval_loader(dataset: Dataset, world: World, batch_size: int) -> DataLoader:
+def train_loader(dataset: Dataset, sampler: ShardedBatchSampler, options: dict[str, Any] | None = None) -> DataLoader:
+    """This rank's micro-batches, drawn by `sampler`. With workers, the sampler is iterated ahead in
+    this process and the samples are loaded and collated in the workers; a new iteration (a new
+    epoch, or a restart after an OOM) starts from the sampler's position, dropping what was loaded
+    ahead, and persistent workers carry over."""
+    return DataLoader(dataset, batch_sampler=sampler, **(options or {}))
+
+
+def eval_loader(dataset: Dataset, world: World, batch_size: int, options: dict[str, Any] | None = None) -> DataLoader:
     """This rank's unpadded shard of `dataset` (shards differ in size by at most one)."""
     indices = list(range(world.rank, len(dataset), world.size))  # type: ignore[arg-type]
-    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size, shuffle=False)
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size, shuffle=False,
+                      **(options or {}))

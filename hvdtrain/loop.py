@@ -31,7 +31,7 @@ from hvdtrain.comm.reducer import GradReducer, HookedBuckets
 from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.common import batch_len, num_samples, seed_everything, to_device
 from hvdtrain.config import Config
-from hvdtrain.data import ShardedBatchSampler, eval_loader
+from hvdtrain.data import ShardedBatchSampler, eval_loader, loader_options
 from hvdtrain.errors import TrainingStopped
 from hvdtrain.faults import FaultInjector
 from hvdtrain.metrics import MetricSums, TrainLog
@@ -57,12 +57,14 @@ class FitResult:
     stopped: bool = False  # a stop signal ended the run early (hvdtrain/stop.py): exit EXIT_STOPPED
 
 
-def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, batch_size: int) -> dict[str, float]:
-    """Loss and metrics over the whole `dataset`, sharded across ranks. All ranks must call."""
+def evaluate(world: World, model: nn.Module, dataset: Dataset, loss_fn: LossFn, batch_size: int,
+             loader: dict[str, Any] | None = None) -> dict[str, float]:
+    """Loss and metrics over the whole `dataset`, sharded across ranks (DataLoader arguments
+    `loader`, e.g. `data.loader_options`). All ranks must call."""
     model.eval()
     sums = MetricSums()
     with torch.no_grad():
-        for batch in eval_loader(dataset, world, batch_size):
+        for batch in eval_loader(dataset, world, batch_size, loader):
             batch = to_device(batch, world.device)
             loss, batch_sums = checked(loss_fn(model, batch))
             sums.add(loss, batch_sums, batch_len(batch))
@@ -174,7 +176,7 @@ def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedB
 def _policy(world: World, cfg: Config, model: nn.Module, optimizer: Any, reducer: HookedBuckets,
             sampler: ShardedBatchSampler, train_set: Dataset, loss_fn: LossFn, injector: FaultInjector) -> BatchPolicy:
     if not cfg.adaptive.enabled:
-        return FixedBatch(sampler, train_set, injector, cfg.train.on_oom)
+        return FixedBatch(sampler, train_set, injector, cfg.train.on_oom, loader_options(cfg.data, world.device))
     # Imported here: the probe, the statistics and the goodput model load only for adaptive runs.
     from hvdtrain.adaptive.controller import AdaptiveController
 
@@ -239,9 +241,11 @@ def _evaluate_and_save(r: _Run, log: TrainLog, result: FitResult, step: int, epo
     tc = r.cfg.train
     due = r.policy.eval_due(step, tc.eval_every) if tc.eval_every else end_of_epoch or done
     if r.eval_set is not None and due and not result.stopped:
+        # Workers for one pass only: they would hold the eval set's memory between evaluations.
+        loader = {**loader_options(r.cfg.data, r.world.device), "persistent_workers": False}
         # The micro-batch in force fits with a backward (an adaptive run's grows from a start that
         # can be 30x smaller than the user's batch).
-        result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch)
+        result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch, loader)
         log.evaluated(step, epoch, tc.epochs, result.eval)
     if r.ckpt.due(step, end_of_epoch, done):
         registry = r.session.registry

@@ -83,8 +83,10 @@ class FixedBatch:
     run: the same samples, the same lr, the same weights but for the order of float sums."""
 
     def __init__(self, sampler: ShardedBatchSampler, dataset: Dataset, injector: FaultInjector,
-                 on_oom: str = "retry") -> None:
+                 on_oom: str = "retry", loader_options: dict[str, Any] | None = None) -> None:
         self.sampler, self.dataset, self.on_oom = sampler, dataset, on_oom
+        # One loader for the run: its workers (data.persistent_workers) outlive an epoch.
+        self.loader = train_loader(dataset, sampler, loader_options)
         self.hooks: StepHooks = FixedBatchHooks(sampler, injector)
         self._split: list[tuple[int, int]] = []  # (micro_batch, accumulation) after each OOM, to log
         self._restart = False
@@ -96,12 +98,13 @@ class FixedBatch:
     def batches(self) -> Iterator[list[Any]]:
         epoch = self.sampler.epoch
         while self.sampler.epoch == epoch and not self.sampler.epoch_done:
-            # A loader reads the sampler's shape when it starts: after an OOM, a new one from here.
+            # An iteration reads the sampler's shape when it starts: after an OOM, a new one from here.
             self._restart = False
             group: list[Any] = []
-            for batch in train_loader(self.dataset, self.sampler):
+            for batch in self.loader:
                 group.append(batch)
                 if len(group) == self.sampler.accumulation:
+                    self.sampler.step_taken()
                     yield group
                     group = []
                     if self._restart:
@@ -149,4 +152,5 @@ class FixedBatch:
         pass
 
     def close(self) -> None:
-        pass
+        # Persistent workers end with the loader's iterator; without this, at interpreter exit.
+        self.loader._iterator = None

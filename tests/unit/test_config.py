@@ -26,6 +26,9 @@ def test_defaults_are_valid_and_frozen():
     ("model.n_embd=65", "model.n_embd=65 must be divisible by model.n_head=2"),
     ("model.preset=huge", "model.preset='huge' is not allowed"),
     ("data.val_fraction=1.5", "data.val_fraction=1.5 must be between 0 and 1"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
+    ("data.prefetch_factor=0", "data.prefetch_factor=0 must be >= 1"),
+    ("data.worker_start=thread", "data.worker_start='thread' is not allowed; choose one of fork, forkserver, spawn"),
     ("checkpoint.resume=latest", "checkpoint.resume=latest needs checkpoint.dir"),
     ("train=3", "train must be a mapping, got int"),
     ("nonsense", "override 'nonsense' must look like section.key=value"),
@@ -47,6 +50,8 @@ def test_bad_values_name_field_and_allowed(override, message):
      "adaptive.policy=decay_to_batch needs optim.schedule=step with optim.milestones"),
     (["adaptive.enabled=true", "adaptive.policy=decay_to_batch", "adaptive.lr_rule=sqrt", "optim.schedule=step",
       "optim.milestones=10"], "adaptive.lr_rule adascale or linear (got schedule='step', lr_rule='sqrt')"),
+    (["adaptive.enabled=true", "data.num_workers=2"],
+     "data.num_workers=2 cannot be combined with adaptive.enabled=true (the batch shape changes between steps)"),
 ])
 def test_schedule_and_policy_combinations_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError) as info:
