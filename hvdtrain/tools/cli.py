@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hvdtrain.tools.plan", "per-rank memory and communication time under ZeRO; --measure runs real steps"),
     "report": ("hvdtrain.tools.report", "PNG plots and a summary of a training run's metrics log"),
     "doctor": ("hvdtrain.tools.doctor", "this host's GPU driver, CUDA, NCCL, libcuda and /dev/shm, and their problems"),
+    "eval": ("hvdtrain.tools.evaluate", "held-out metrics of a built-in task's checkpoint (any number of ranks)"),
+    "export": ("hvdtrain.tools.export", "a checkpoint's weights as a plain PyTorch state_dict file"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "train": ("hvdtrain.bench.train", "the same training run with hvdtrain, hand-written Horovod and DDP"),

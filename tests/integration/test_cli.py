@@ -1,11 +1,13 @@
-"""The `hvdtrain` command: built-in tasks under horovodrun, resume, print-config and bad input."""
+"""The `hvdtrain` command: built-in tasks under horovodrun, resume, print-config, eval, export and bad
+input."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from launch import BIN, env, horovodrun, run
+from launch import BIN, env, horovodrun, run, untag
 
 from hvdtrain.checkpoint import load_checkpoint
 
@@ -118,3 +120,64 @@ def test_bad_input_one_line_nonzero_nothing_written(case, tmp_path):
     assert lines[-1].startswith("hvdtrain: error: ") and message.format(run=run_dir) in lines[-1], res.stdout[-2000:]
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert after == before, "a failed start must not write files"
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    run([CLI, "train", "--config", "configs/digits.yaml", "--out", str(out), "--set", "train.epochs=2",
+         "--set", "log.progress=false", "--set", "log.tensorboard=false"], timeout=180)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, [r for r in records if r["kind"] == "eval"][-1]
+
+
+def test_eval_gives_the_runs_held_out_metrics_at_any_number_of_ranks(digits_run):
+    out, trained = digits_run
+    one = json.loads(run([CLI, "eval", "--checkpoint", str(out / "checkpoints"), "--json"]).stdout)
+    two = json.loads(untag(horovodrun([CLI, "eval", "--checkpoint", str(out / "checkpoints"), "--json", "--set",
+                                       "data.num_workers=2"], controller="mpi").stdout).strip().splitlines()[-1])
+    assert one["step"] == two["step"] == trained["step"] and (one["ranks"], two["ranks"]) == (1, 2)
+    assert one["samples"] == two["samples"] == 179
+    for got in (one, two):  # 2 ranks: the same sums, added in another order
+        assert got["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+        assert got["accuracy"] == pytest.approx(trained["accuracy"], rel=1e-9)
+
+
+def test_export_writes_a_plain_state_dict_the_tasks_model_loads(digits_run, tmp_path):
+    from hvdtrain.config import Config, from_dict
+    from hvdtrain.tasks import build_task
+
+    out, _ = digits_run
+    saved = load_checkpoint(out / "checkpoints" / (out / "checkpoints" / "latest").read_text())
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        target = tmp_path / f"model-{dtype}.pt"
+        text = run([CLI, "export", "--checkpoint", str(out / "checkpoints"), "--out", str(target), "--dtype",
+                    dtype]).stdout
+        assert text.startswith(f"exported {out}/checkpoints/step_") and str(target) in text
+        exported = torch.load(target, weights_only=True)
+        assert exported["step"] == saved["step"] and exported["task"] == "digits"
+        model = build_task(from_dict(Config, exported["config"])).model
+        model.load_state_dict(exported["state_dict"])  # a plain state_dict of the task's model
+        for name, tensor in exported["state_dict"].items():
+            assert tensor.dtype == torch_dtype
+            assert torch.equal(tensor, saved["model"][name].to(torch_dtype)), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-bf16.pt", "model-fp32.pt"]  # no temp file
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval", "--checkpoint", "{tmp}/nope"], "checkpoint {tmp}/nope does not exist; give a step_N folder"),
+    (["eval", "--checkpoint", "{run}/checkpoints", "--set", "model.width=8"],
+     "--set model.width: the checkpoint's weights were trained with its own model.width"),
+    (["eval", "--checkpoint", "{run}/checkpoints", "--set", "data.num_workers=-1"], "data.num_workers=-1 must be >= 0"),
+    (["export", "--checkpoint", "{run}/checkpoints", "--out", "{tmp}"], "--out {tmp} is a folder"),
+    (["export", "--checkpoint", "{run}/checkpoints", "--out", "{tmp}/no/model.pt"],
+     "--out {tmp}/no/model.pt: folder {tmp}/no does not exist"),
+])
+def test_eval_and_export_refuse_bad_input_in_one_line(digits_run, tmp_path, args, message):
+    out, _ = digits_run
+    args = [a.format(tmp=tmp_path, run=out) for a in args]
+    res = run([CLI, *args], check=False, timeout=120)
+    assert res.returncode == 2, res.stdout
+    assert res.stdout.strip().startswith(f"hvdtrain: error: {message.format(tmp=tmp_path, run=out)}"), res.stdout
+    assert len(res.stdout.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
