@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hvdtrain.allocator import pin_malloc
+from hvdtrain.console import whole_lines
 from hvdtrain.errors import EnvironmentProblem
 
 OPS = ("sum", "average", "max", "min")
@@ -74,6 +75,7 @@ class World:
         """
         hvd = _horovod()
         mpi_defaults(os.environ)
+        whole_lines()
         hvd.init()
         local_rank, local_size = hvd.local_rank(), hvd.local_size()
         if torch.cuda.is_available():

@@ -15,6 +15,7 @@ from typing import Any
 
 from hvdtrain import config as config_mod
 from hvdtrain.config import TASKS, Config
+from hvdtrain.console import whole_lines
 from hvdtrain.errors import ConfigError, HvdtrainError
 from hvdtrain.tools import launch
 
@@ -146,6 +147,7 @@ def train(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_lines()  # before the first line: a usage error under mpirun too
     args = _parser().parse_args(argv)
     try:
         if args.command == "launch":

@@ -69,8 +69,15 @@ def resolve_hosts(args: argparse.Namespace, env: Mapping[str, str]) -> list[Host
     if args.host_discovery_script:
         hosts = discover_hosts(args.host_discovery_script)
     else:
-        hosts = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile \
-            else hosts_from_slurm(env)
+        slurm = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if args.hosts:
+            hosts = parse_hosts(args.hosts)
+        elif args.hostfile:
+            hosts = read_hostfile(args.hostfile)
+        elif args.np and not slurm:
+            hosts = [Host("localhost", args.np)]  # -np alone: this machine, as horovodrun does
+        else:
+            hosts = hosts_from_slurm(env)
     seen = [h.name for h in hosts]
     dup = sorted({n for n in seen if seen.count(n) > 1})
     if dup:
@@ -230,7 +237,8 @@ def _at_least(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", help="host list like h1:2,h2:1 (default: --hostfile or the Slurm allocation)")
+    p.add_argument("--hosts", help="host list like h1:2,h2:1 (default: --hostfile, the Slurm allocation, or with "
+                   "-np alone this machine)")
     p.add_argument("--hostfile", help="hostfile with 'host slots=N' lines")
     p.add_argument("--host-discovery-script", metavar="COMMAND",
                    help="elastic mode: command printing host:slots lines (e.g. 'scripts/discover_hosts.sh hosts.txt')")

@@ -44,6 +44,21 @@ _FIRST = re.compile(r"^\s*Process name:\s+(?:\[\[\d+,\d+\],)?(\d+)\]?\s*$")
 # The elastic driver's words when fewer than --min-np workers remain for --elastic-timeout seconds.
 _TOO_FEW = re.compile(r"enough resources to run at least (\d+) Horovod processes.*Timeout after (\d+) seconds")
 _TAGGED = re.compile(r"^\[\d+(?:,\d+)?\]<std(?:out|err)>:")
+_ANY_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:")
+_RANK0 = re.compile(r"^\[(?:\d+,)?0\]<std(?:out|err)>:")
+
+
+def clean(line: str) -> list[str]:
+    """A line as the user should see it: cut where Open MPI glued another write's tag into it, and
+    without rank 0's tag (the rank that speaks for the job); other ranks' lines keep their tag."""
+    cuts = [m.start() for m in _ANY_TAG.finditer(line) if m.start() > 0]
+    parts = [line[a:b] for a, b in zip([0, *cuts], [*cuts, len(line)])]
+    out = []
+    for part in parts:
+        text = _RANK0.sub("", part)
+        if _ANY_TAG.sub("", part).strip() or part is parts[0]:  # a bare tag: the glued line's newline
+            out.append(text if text.endswith("\n") else text + "\n")
+    return out
 
 
 def rank_pids(run_id: str) -> list[int]:
@@ -202,7 +217,7 @@ def _copy(src: IO[str], dst: IO[str], exits: Exits) -> None:
         if held or (line.startswith("Traceback (most recent call last)") and untagged):
             held.append(line)
             continue
-        dst.write(line)
+        dst.writelines(clean(line))
         dst.flush()
     dst.writelines(block)  # an unfinished notice: as it is
     known = exits.too_few is not None or any("processes exited with non-zero status" in line for line in held)

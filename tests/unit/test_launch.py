@@ -117,6 +117,16 @@ def test_cli_dry_run_from_slurm(capsys, monkeypatch):
     assert "-np 4 -H node1:2,node2:2 --gloo hvdtrain train --task digits" in out
 
 
+def test_cli_np_alone_means_this_machine_and_inside_slurm_the_allocation(capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    assert main(["launch", "-np", "2", "--dry-run", "--", "hvdtrain", "train"]) == 0
+    assert capsys.readouterr().out.strip().endswith("-np 2 -H localhost:2 --gloo hvdtrain train")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    assert main(["launch", "-np", "2", "--dry-run", "--", "true"]) == 0
+    assert capsys.readouterr().out.strip().endswith("-np 2 -H node1:1,node2:1 --gloo true")
+
+
 def test_cli_error_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     monkeypatch.delenv("SLURM_NODELIST", raising=False)

@@ -8,7 +8,7 @@ import io
 import subprocess
 
 from hvdtrain.tools.hosts import Host
-from hvdtrain.tools.relay import Exits, _copy, keepalive_ssh, summary, unreachable
+from hvdtrain.tools.relay import Exits, _copy, clean, keepalive_ssh, summary, unreachable
 
 GLOO_FAILED = """[0]<stdout>:hvdtrain: 2 rank(s), global batch 64, 25 steps, lr x2 (linear)
 [0]<stderr>:hvdtrain: rank 0: error: another rank exited or lost its connection
@@ -84,7 +84,7 @@ def copied(text: str) -> tuple[str, Exits]:
 
 def test_a_failed_gloo_run_keeps_the_ranks_lines_and_drops_horovodruns_traceback():
     out, exits = copied(GLOO_FAILED)
-    assert "Traceback" not in out and "[0]<stderr>:hvdtrain: rank 0: error" in out
+    assert "Traceback" not in out and "\nhvdtrain: rank 0: error" in out  # rank 0 speaks untagged
     assert "Process 1 exit with status code 3." in out
     assert exits.first == 1 and exits.codes[0] == 3
     assert summary(exits, 1, 99) == (
@@ -94,7 +94,7 @@ def test_a_failed_gloo_run_keeps_the_ranks_lines_and_drops_horovodruns_traceback
 
 def test_a_failed_mpi_run_names_the_rank_from_mpiruns_process_name():
     out, exits = copied(MPI_FAILED)
-    assert out == MPI_FAILED  # no traceback to hold back
+    assert out == MPI_FAILED.replace("[1,0]<stdout>:", "")  # no traceback to hold back
     assert exits.first == 1 and exits.codes == [3]
     assert summary(exits, 3, 99).startswith("hvdtrain: launch: rank 1 exited first with code 3")
 
@@ -127,7 +127,7 @@ def test_a_ranks_own_words_are_not_read_as_horovodruns():
 
 def test_open_mpis_lost_daemon_notice_is_held_back_for_the_launcher_to_judge():
     out, exits = copied(MPI_DAEMON_LOST + "[1,1]<stdout>:after\n")
-    assert out == "[1,0]<stdout>:hvdtrain: 3 rank(s), global batch 96, 800 steps, lr x3 (linear)\n[1,1]<stdout>:after\n"
+    assert out == "hvdtrain: 3 rank(s), global batch 96, 800 steps, lr x3 (linear)\n[1,1]<stdout>:after\n"
     assert "".join(exits.daemon_lost) == MPI_DAEMON_LOST.split("\n", 1)[1]
 
 
@@ -143,3 +143,14 @@ def test_the_keepalive_ssh_asks_the_real_one_to_give_up_on_a_silent_host(tmp_pat
     ssh = tmp_path / keepalive_ssh(str(tmp_path), 30) / "ssh"
     config = subprocess.run([str(ssh), "-G", "somehost"], capture_output=True, text=True, check=True).stdout
     assert "serveraliveinterval 10" in config and "serveralivecountmax 3" in config
+
+
+def test_rank_0_speaks_untagged_other_ranks_keep_their_tag_and_glued_tags_are_cut():
+    # Open MPI tags each write; a line whose newline came in a second write carries a bare tag at its end.
+    assert clean("[1,0]<stdout>:epoch 3/15 step 75: accuracy 0.9274[1,0]<stdout>:\n") == [
+        "epoch 3/15 step 75: accuracy 0.9274\n"]
+    assert clean("[0]<stderr>:hvdtrain: warning\n") == ["hvdtrain: warning\n"]
+    assert clean("[1,1]<stdout>:rank one[1,1]<stdout>:\n") == ["[1,1]<stdout>:rank one\n"]
+    assert clean("[1,0]<stdout>:a[1,1]<stdout>:b\n") == ["a\n", "[1,1]<stdout>:b\n"]
+    assert clean("Process 1 exit with status code 3.\n") == ["Process 1 exit with status code 3.\n"]
+    assert clean("[10]<stdout>:rank ten\n") == ["[10]<stdout>:rank ten\n"]
