@@ -216,7 +216,7 @@ def _train(r: _Run) -> FitResult:
             done, end_of_epoch = result.stopped or r.policy.progress(step) >= total, r.sampler.epoch_done
             if end_of_epoch:
                 r.sampler.set_epoch(epoch + 1)  # a checkpoint taken now resumes at the next epoch
-            log.train_step_done(step, samples, done or end_of_epoch, lr=lr, epoch=epoch)
+            log.train_step_done(step, samples, done or end_of_epoch, r.reducer.sync_s, lr=lr, epoch=epoch)
             r.memprof.record(step, log, step % r.cfg.log.every == 0 or done or end_of_epoch)
             _evaluate_and_save(r, log, result, step, epoch, end_of_epoch, done)
             r.session.step_done(step, done)

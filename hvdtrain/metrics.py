@@ -142,7 +142,7 @@ class TrainLog:
         self.run = RunLog(world, cfg.dir, cfg.tensorboard)
         self.bar = Progress(world, total, initial, cfg.progress)
         self.last: dict[str, float] = {}
-        self._clock, self._since = time.perf_counter(), 0
+        self._clock, self._since, self._steps, self._sync_s = time.perf_counter(), 0, 0, 0.0
         self._said: set[str] = set()  # keys of the console notes said once per run
 
     def say_once(self, key: str, line: str) -> None:
@@ -151,16 +151,22 @@ class TrainLog:
             self._said.add(key)
             self.bar.write(line)
 
-    def train_step_done(self, step: int, samples: int, boundary: bool, **extra: Any) -> None:
-        """Count one optimizer step of `samples` (global); average and write when due."""
+    def train_step_done(self, step: int, samples: int, boundary: bool, sync_s: float | None = None,
+                        **extra: Any) -> None:
+        """Count one optimizer step of `samples` (global); average and write when due. `sync_s`:
+        the reducer's seconds in `synchronize` so far, logged as comm_wait_ms per step (rank 0's)."""
         self.bar.update(1)
         self._since += samples
+        self._steps += 1
         if step % self.every and not boundary:
             return
         stats = self.sums.reduce(self.world, "hvdtrain.train", tuple(self.sums.sums))
         now = time.perf_counter()
         stats.update(extra, samples_per_s=self._since / max(now - self._clock, 1e-9))
-        self._clock, self._since, self.last = now, 0, stats
+        if sync_s is not None:
+            stats["comm_wait_ms"] = 1000 * (sync_s - self._sync_s) / max(self._steps, 1)
+            self._sync_s = sync_s
+        self._clock, self._since, self._steps, self.last = now, 0, 0, stats
         self.run.write(step, "train", stats)
         if "loss" in stats:
             self.bar.set_postfix(loss=f"{stats['loss']:.4f}")

@@ -14,6 +14,7 @@ error feedback per bucket, and one agreed skip decision when the reduced gradien
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,6 +39,7 @@ class HookedBuckets:
     _ready: list[int]
     _armed: bool
     _held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
+    sync_s: float = 0.0  # seconds spent in `synchronize`, since the reducer was made
 
     def set_codec(self, name: str) -> None:
         """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
@@ -72,7 +74,16 @@ class HookedBuckets:
         raise NotImplementedError
 
     def synchronize(self) -> bool:
-        """Wait for every bucket; True if the averaged gradient is finite (the same on every rank)."""
+        """Wait for every bucket; True if the averaged gradient is finite (the same on every rank).
+        The time spent here, waiting for the collectives that backward did not hide, adds up in
+        `sync_s` (the run log's comm_wait_ms)."""
+        started = time.perf_counter()
+        try:
+            return self._synchronize()
+        finally:
+            self.sync_s += time.perf_counter() - started
+
+    def _synchronize(self) -> bool:
         raise NotImplementedError
 
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -182,7 +193,7 @@ class GradReducer(HookedBuckets):
         """Each bucket's flat buffer: after `synchronize`, the averaged gradient."""
         return list(self._flat)
 
-    def synchronize(self) -> bool:
+    def _synchronize(self) -> bool:
         """Wait for every bucket, write the averaged gradients back; True if all are finite.
 
         All ranks receive the same reduced values, so they reach the same verdict without another

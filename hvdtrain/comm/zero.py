@@ -168,7 +168,7 @@ class ZeroReducer(HookedBuckets):
             if b not in self._launched:
                 self._launch(b, fill)
 
-    def synchronize(self) -> bool:
+    def _synchronize(self) -> bool:
         """Finish every bucket's reduction; True if the global gradient is finite (agreed by one
         scalar allreduce, since in stage 2 no rank sees the whole gradient). All ranks must call."""
         self.launch_rest()

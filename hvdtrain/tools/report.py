@@ -1,9 +1,10 @@
 """`hvdtrain report RUN_DIR`: PNG plots and a one-page summary (summary.md, summary.html) of a run.
 
 Reads RUN_DIR/metrics.jsonl (written by rank 0, see hvdtrain.metrics) and plots whichever fields
-the run logged: loss and accuracy (train and eval), throughput, learning rate, batch size, gradient
-noise scale, memory, communication time. A plot whose fields the run did not log is skipped and
-listed as skipped. The config comes from RUN_DIR/config.yaml or config.json if present, else from
+the run logged: loss and accuracy (train and eval), throughput, learning rate and the wait for the
+gradient collectives per step (every run), batch size and gradient noise scale (adaptive runs),
+memory (memory.profile). A plot whose fields the run did not log is skipped and listed as such.
+The config comes from RUN_DIR/config.yaml or config.json if present, else from
 the run's `start` event (the trainer logs the resolved config there).
 """
 
@@ -12,22 +13,26 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from hvdtrain.errors import ConfigError
 
-# (file stem, title, y label, does this field belong here?) in page order.
-PLOTS: list[tuple[str, str, str, Any]] = [
-    ("loss", "Loss", "loss", lambda k: k == "loss" or k.endswith("_loss")),
-    ("accuracy", "Accuracy", "fraction", lambda k: "accuracy" in k or k.startswith("acc")),
-    ("throughput", "Throughput", "samples/s", lambda k: k.endswith("per_s") and "comm" not in k),
-    ("lr", "Learning rate", "lr", lambda k: k == "lr" or k.startswith("lr_") and k != "lr_factor"),
-    ("batch_size", "Batch size", "samples", lambda k: "batch" in k or k in ("m", "k", "B", "accumulation")),
-    ("gns", "Gradient noise scale", "B_noise", lambda k: "gns" in k or "noise" in k),
-    ("memory", "Memory", "bytes", lambda k: "mem" in k or "rss" in k),
-    ("comm", "Communication time", "seconds", lambda k: "comm" in k or "allreduce" in k or "sync" in k),
+# (file stem, title, y label, the (record kind, field) pairs it plots, scale) in page order. Record
+# kinds: train and eval (every run), adaptive (adaptive batch sizing), memory (memory.profile).
+PLOTS: list[tuple[str, str, str, Any, float]] = [
+    ("loss", "Loss", "loss", lambda kind, k: kind in ("train", "eval") and (k == "loss" or k.endswith("_loss")), 1),
+    ("accuracy", "Accuracy", "fraction", lambda kind, k: kind in ("train", "eval") and "accuracy" in k, 1),
+    ("throughput", "Throughput", "samples/s", lambda kind, k: kind == "train" and k == "samples_per_s", 1),
+    ("lr", "Learning rate", "lr", lambda kind, k: kind == "train" and k == "lr", 1),
+    ("batch_size", "Batch size", "samples", lambda kind, k: kind == "adaptive" and k in ("B", "m"), 1),
+    ("gns", "Gradient noise scale", "B_noise (samples)", lambda kind, k: kind == "adaptive" and k == "gns", 1),
+    ("memory", "Memory", "MiB", lambda kind, k: kind == "memory" and k in ("params", "grads", "optimizer",
+                                                                         "activations", "peak", "rss"), 2**-20),
+    ("comm", "Communication wait per step", "ms", lambda kind, k: kind == "train" and k == "comm_wait_ms", 1),
 ]
+_KINDS = ("train", "eval", "adaptive", "memory")
 _NOT_SERIES = {"step", "time", "epoch"}
 
 
@@ -63,13 +68,14 @@ def run_config(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] |
 
 
 def series(records: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[list[int], list[float]]]:
-    """(kind, field) -> (steps, values) for every numeric field of train and eval records."""
+    """(kind, field) -> (steps, values) for every finite numeric field of the records of `_KINDS`."""
     out: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
     for r in records:
-        if r.get("kind") not in ("train", "eval"):
+        if r.get("kind") not in _KINDS:
             continue
         for key, value in r.items():
-            if key in _NOT_SERIES or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key in _NOT_SERIES or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):  # a noise scale before its first estimate is NaN
                 continue
             steps, values = out.setdefault((r["kind"], key), ([], []))
             steps.append(r["step"])
@@ -88,6 +94,9 @@ def _plot(path: Path, title: str, ylabel: str, lines: dict[tuple[str, str], tupl
         style: dict[str, Any] = {"marker": "o", "linestyle": "--"} if kind == "eval" or len(steps) == 1 else {}
         ax.plot(steps, values, label=f"{kind} {key}", **style)
     ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+    every = [v for _, values in lines.values() for v in values]
+    if min(every) > 0 and max(every) > 1000 * min(every):  # memory: KiB of parameters beside GiB of RSS
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -98,8 +107,8 @@ def _plot(path: Path, title: str, ylabel: str, lines: dict[tuple[str, str], tupl
 def plots(out: Path, data: dict[tuple[str, str], tuple[list[int], list[float]]]) -> tuple[list[str], list[str]]:
     """Write one PNG per plot that has data; (written file names, skipped plot titles)."""
     written, skipped = [], []
-    for stem, title, ylabel, belongs in PLOTS:
-        lines = {k: v for k, v in data.items() if belongs(k[1])}
+    for stem, title, ylabel, belongs, scale in PLOTS:
+        lines = {k: (steps, [v * scale for v in values]) for k, (steps, values) in data.items() if belongs(*k)}
         if not lines:
             skipped.append(title)
             continue
