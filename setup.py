@@ -19,5 +19,7 @@ setup(
         "matplotlib>=3.8",
         "pyyaml>=6.0",
     ],
+    # log.mlflow: MLflow's client and what its default SQLite store needs (or the full `mlflow`).
+    extras_require={"mlflow": ["mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.tools.cli:main"]},
 )

@@ -210,12 +210,14 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    """Rank-0 output: progress bar, JSONL metrics and TensorBoard under `dir`."""
+    """Rank-0 output: progress bar, JSONL metrics and TensorBoard under `dir`, MLflow."""
 
     dir: str = ""  # empty: no metrics files
     every: int = 10  # steps between averaged train metrics
     progress: bool = True
     tensorboard: bool = True
+    mlflow: bool = False  # also an MLflow run (pip install 'hvdtrain[mlflow]'; MLFLOW_TRACKING_URI, MLFLOW_RUN_ID)
+    mlflow_experiment: str = "hvdtrain"  # unless MLFLOW_EXPERIMENT_NAME / _ID say otherwise
 
     def __post_init__(self) -> None:
         _at_least("log", "every", self.every, 1)

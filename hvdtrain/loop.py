@@ -53,6 +53,7 @@ class FitResult:
     eval: dict[str, float] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
+    mlflow_run_id: str | None = None  # rank 0's MLflow run, with log.mlflow
     skipped: int = 0  # optimizer steps skipped because the averaged gradient was not finite
     stopped: bool = False  # a stop signal ended the run early (hvdtrain/stop.py): exit EXIT_STOPPED
 
@@ -231,6 +232,7 @@ def _train(r: _Run) -> FitResult:
               f"{result.checkpoint}; resume with --resume auto", file=sys.stderr, flush=True)
     log.close()
     result.step, result.epoch = step, r.sampler.epoch
+    result.mlflow_run_id = log.run.tracker.run_id if log.run.tracker is not None else None
     return result
 
 

@@ -13,6 +13,8 @@ import torch
 from tqdm import tqdm
 
 from hvdtrain.config import LogConfig
+from hvdtrain.errors import ConfigError
+from hvdtrain.tracking import MlflowRun
 from hvdtrain.world import World
 
 
@@ -67,13 +69,27 @@ class MetricSums:
 
 
 class RunLog:
-    """Rank 0 writes metrics.jsonl and TensorBoard events under `directory`; other ranks write nothing."""
+    """Rank 0 writes metrics.jsonl and TensorBoard events under `directory`, and with `mlflow` (the
+    experiment name) an MLflow run (hvdtrain/tracking.py); other ranks write nothing. All ranks make
+    one, together."""
 
-    def __init__(self, world: World, directory: str, tensorboard: bool = True) -> None:
+    def __init__(self, world: World, directory: str, tensorboard: bool = True, mlflow: str | None = None) -> None:
         self.active = world.is_root and bool(directory)
         self.history: list[dict[str, Any]] = []
         self._file = None
         self._tb = None
+        self.tracker: MlflowRun | None = None
+        if mlflow is not None:
+            # Rank 0 alone talks to MLflow; a failure there must stop every rank, not leave them waiting.
+            error = ""
+            if world.is_root:
+                try:
+                    self.tracker = MlflowRun(mlflow)
+                except ConfigError as exc:
+                    error = str(exc)
+            error = world.broadcast_object(error, name="hvdtrain.log.mlflow")
+            if error:
+                raise ConfigError(error)
         if self.active:
             path = Path(directory)
             path.mkdir(parents=True, exist_ok=True)
@@ -93,8 +109,12 @@ class RunLog:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self.tracker is not None:
+            self.tracker.record(step, kind, values)
 
     def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
@@ -139,7 +159,7 @@ class TrainLog:
     def __init__(self, world: World, cfg: LogConfig, total: int, initial: int) -> None:
         self.world, self.every = world, cfg.every
         self.sums = MetricSums()
-        self.run = RunLog(world, cfg.dir, cfg.tensorboard)
+        self.run = RunLog(world, cfg.dir, cfg.tensorboard, cfg.mlflow_experiment if cfg.mlflow else None)
         self.bar = Progress(world, total, initial, cfg.progress)
         self.last: dict[str, float] = {}
         self._clock, self._since, self._steps, self._sync_s = time.perf_counter(), 0, 0, 0.0

@@ -139,11 +139,27 @@ def train(cfg: Config) -> int:
         world.print(f"stopped: step {result.step}, checkpoint {result.checkpoint} (exit {EXIT_STOPPED}: requeue "
                     "and resume with --resume auto)")
         return EXIT_STOPPED
+    if result.mlflow_run_id and cfg.log.dir:
+        _report_to_mlflow(Path(cfg.log.dir), result.mlflow_run_id)
     shown = " ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     world.print(f"done: step {result.step}, eval {shown}")
     if result.checkpoint:
         world.print(f"checkpoint: {result.checkpoint}")
     return 0
+
+
+def _report_to_mlflow(run_dir: Path, run_id: str) -> None:
+    """Rank 0 (the one with a run id): the run's report, as artifacts of its MLflow run."""
+    import mlflow
+
+    from hvdtrain.tools import report
+
+    out = run_dir / "report"
+    records = report.load(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written, skipped = report.plots(out, report.series(records))
+    report.summary(out, run_dir, records, report.run_config(run_dir, records), written, skipped)
+    mlflow.MlflowClient().log_artifacts(run_id, str(out), artifact_path="report")
 
 
 def main(argv: list[str] | None = None) -> int:
