@@ -18,6 +18,7 @@ setup(
         "tensorboard>=2.14",
         "matplotlib>=3.8",
         "pyyaml>=6.0",
+        "tomli>=2.0; python_version < '3.11'",
     ],
     # log.mlflow: MLflow's client and what its default SQLite store needs (or the full `mlflow`).
     extras_require={"mlflow": ["mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"]},

@@ -9,13 +9,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from hvdtrain.config_features import (  # noqa: F401 - re-exported: import sections from hvdtrain.config
     ADAPTIVE_LR_RULES,
