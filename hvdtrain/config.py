@@ -319,9 +319,24 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _shipped(p: Path) -> Path:
+    """`p`, or where it is missing, the example config of that name shipped in the package
+    (configs/ of the checkout): `--config configs/digits.yaml` works from any folder after
+    `pip install .`, and so does `--config digits.yaml`."""
+    if p.exists() or p.is_absolute() or p.parent not in (Path("."), Path("configs")):
+        return p
+    from importlib import resources
+
+    try:
+        shipped = Path(str(resources.files("hvdtrain.configs").joinpath(p.name)))
+    except ModuleNotFoundError:  # an install made before the configs shipped
+        return p
+    return shipped if shipped.is_file() else p
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML (.yaml/.yml) or TOML (.toml) config file into nested dicts."""
-    p = Path(path)
+    p = _shipped(Path(path))
     kind = "TOML" if p.suffix == ".toml" else "YAML"
     if not p.is_file():
         raise ConfigError(f"config file {p} is a folder; give a YAML or TOML file" if p.is_dir()

@@ -27,9 +27,12 @@ def _horovod() -> Any:
     try:
         import horovod.torch as hvd
     except ImportError as exc:
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "horovod"
+        what = "Horovod is not installed in this environment" if missing else \
+            f"Horovod's PyTorch ops are not available ({exc})"
         raise EnvironmentProblem(
-            f"Horovod's PyTorch ops are not available ({exc}); run ./scripts/install.sh, "
-            "which builds Horovod 0.28.1 with HOROVOD_WITH_PYTORCH=1"
+            f"{what}; run `hvdtrain build-horovod` (builds Horovod 0.28.1 for this torch and installs it, "
+            "2-4 minutes the first time; needs cmake, g++ and Open MPI headers) or ./scripts/install.sh in a checkout"
         ) from None
     return hvd
 

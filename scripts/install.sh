@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of hvdtrain: system packages, .venv, PyTorch, Horovod (built once, cached), hvdtrain.
-# Sourced-or-run by demo.sh and test.sh. Knobs (environment):
+# Sourced-or-run by demo.sh and test.sh. `install.sh horovod`: only Horovod, into HVDTRAIN_PYTHON's own
+# environment (what `hvdtrain build-horovod` runs after `pip install .`). Knobs (environment):
 #   HVDTRAIN_PYTHON        interpreter for the venv (default: python3)
 #   HVDTRAIN_VENV          venv folder (default: <checkout>/.venv)
 #   HVDTRAIN_TORCH         torch version (default: 2.13.0)
@@ -91,6 +92,9 @@ install_torch() {
   [ -n "$CUDA" ] && want=$(cuda_version "$CUDA")
   have=$("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null || true)
   case "$have" in "$TORCH_VERSION $want"|"$TORCH_VERSION"+*" $want") return 0;; esac
+  # A CPU build of Horovod against PyPI's CUDA torch: for Pythons without a CPU torch at hand (PyPI's
+  # Linux torch is the CUDA build); it trains on CPU all the same.
+  [ -z "$CUDA" ] && case "$have" in "$TORCH_VERSION"+*|"$TORCH_VERSION "*) return 0;; esac
   local index args=("torch==$TORCH_VERSION")
   index=$(torch_index)
   [ -n "$index" ] && args+=(--index-url "$index")
@@ -100,7 +104,8 @@ install_torch() {
   have=$("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
   case "$have" in
     *" $want") ;;
-    *) die "torch $have was installed, not a build for CUDA $want" \
+    *) [ -z "$CUDA" ] && { say "torch $have: a CUDA build (no CPU one for this Python); Horovod is built for CPU"; return 0; }
+       die "torch $have was installed, not a build for CUDA $want" \
          "Set HVDTRAIN_TORCH_INDEX to an index with a CUDA $want build (https://download.pytorch.org/whl/$CUDA), or remove a local CPU wheel from pip's find-links (pip config list).";;
   esac
 }
@@ -212,11 +217,18 @@ build_horovod_wheel() {
     grep -q 'set(USE_AVX ON)' "$work/horovod-$HOROVOD_VERSION/CMakeLists.txt" \
       || die "enable Gloo's AVX fp16 sum" "CMakeLists.txt has no add_subdirectory(third_party/gloo) line to patch."
   fi
-  local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1) mpi=HOROVOD_WITH_MPI=1
+  local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1) mpi=HOROVOD_WITH_MPI=1 home
   if [ -n "$CUDA" ]; then
     mkdir -p "$work/nccl-link"
     gpu_build_env "$work/nccl-link"
     gpu_env=("${GPU_ENV[@]}")
+  elif [ "$DRY" != 1 ] && [ "$("$VPY" -c 'import torch; print(torch.version.cuda or "")')" = 13.0 ]; then
+    # CPU operations against a CUDA torch (PyPI's only Linux build for most Pythons): Horovod's
+    # extension still links the CUDA runtime whenever torch has one, so it needs a CUDA home to
+    # find cudart in: the CUDA 13.0 wheels' (no NCCL, no kernels; the build time of a CPU build).
+    home=$(CUDA=cu130 cuda_home)
+    CUDA=cu130 install_cuda_toolchain
+    gpu_env+=("HOROVOD_CUDA_HOME=$home" "CUDA_HOME=$home" "CUDAToolkit_ROOT=$home")
   fi
   [ "$NO_MPI" = 1 ] && mpi=HOROVOD_WITHOUT_MPI=1
   # HOROVOD_WITH_PYTORCH=1 makes a failed extension build fatal instead of silently skipped;
@@ -238,7 +250,7 @@ install_horovod() {
   if [ "$DRY" = 1 ] && ! [ -x "$VENV/bin/python" ]; then key="horovod-$HOROVOD_VERSION$HOROVOD_RECIPE-<python>-<torch>-<mpi>-${CUDA:-cpu}"
   else key=$(horovod_key); fi
   dir=$CACHE/$key
-  if [ "$DRY" != 1 ] && "$VENV/bin/python" -c 'import horovod.torch' 2>/dev/null \
+  if [ "$DRY" != 1 ] && "$VPY" -c 'import horovod.torch' 2>/dev/null \
      && [ "$(cat "$VENV/.horovod-key" 2>/dev/null)" = "$key" ]; then
     return 0
   fi
@@ -248,7 +260,7 @@ install_horovod() {
     say "using cached Horovod wheel $dir"
   fi
   step "install horovod wheel" "Remove $dir to force a rebuild." \
-    sh -c "'$VENV/bin/pip' install --force-reinstall --no-deps '$dir'/horovod-*.whl"
+    sh -c "'$VPY' -m pip install --force-reinstall --no-deps '$dir'/horovod-*.whl"
   [ "$DRY" = 1 ] || echo "$key" >"$VENV/.horovod-key"
 }
 
@@ -289,8 +301,26 @@ wheel_only() {
   say "built $(ls "$out"/horovod-*.whl 2>/dev/null | head -1)"
 }
 
+# install.sh horovod: Horovod (built once per torch, cached) into HVDTRAIN_PYTHON's own environment,
+# a venv or conda env that already has torch and hvdtrain (`pip install .`); `hvdtrain build-horovod`.
+horovod_only() {
+  VENV=$("$PY" -c 'import sys; print(sys.prefix)')
+  VPY=$PY
+  VPIP=("$PY" -m pip)
+  "$VPY" -c 'import torch' 2>/dev/null || die "$PY cannot import torch" "Install torch first (pip install torch), then rerun."
+  system_packages
+  step "install Horovod's build and runtime dependencies" "Check that pip can reach PyPI." \
+    "${VPIP[@]}" install "packaging>=23" "cffi>=1.15" "cloudpickle>=2.2" "psutil>=5.9" "pyyaml>=6.0" \
+    "setuptools>=68,<81" "wheel>=0.41"
+  install_cuda_toolchain
+  install_horovod
+  check_build
+  say "ready: Horovod $HOROVOD_VERSION in $VENV ($(horovod_key))"
+}
+
 main() {
   if [ "${1:-}" = wheel ]; then shift; wheel_only "$@"; return; fi
+  if [ "${1:-}" = horovod ]; then horovod_only; return; fi
   system_packages
   make_venv
   if [ "$DRY" != 1 ] && [ "$(cat "$VENV/.hvdtrain-stamp" 2>/dev/null)" = "$(stamp)" ] \

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("hvdtrain.tools.doctor", "this host's GPU driver, CUDA, NCCL, libcuda and /dev/shm, and their problems"),
     "eval": ("hvdtrain.tools.evaluate", "held-out metrics of a built-in task's checkpoint (any number of ranks)"),
     "export": ("hvdtrain.tools.export", "a checkpoint's weights as a plain PyTorch state_dict file"),
+    "build-horovod": ("hvdtrain.tools.build_horovod", "build Horovod for this environment's torch and install it"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "train": ("hvdtrain.bench.train", "the same training run with hvdtrain, hand-written Horovod and DDP"),
