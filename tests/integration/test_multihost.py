@@ -197,6 +197,7 @@ def test_bench_train_runs_all_three_ways_across_hosts(bed):
 
 
 SLOW = str(ROOT / "tests" / "integration" / "scripts" / "slow_train.py")
+ALIVE = "9"  # s of silence before ssh gives up on a host (default 30): shorter runs, the same path
 SLOW_TRAIN = ["train", "--config", "configs/digits.yaml", "--set", "train.epochs=50", "--set", "train.max_steps=1000",
               "--set", "log.every=1", "--set", "log.progress=false", "--set", "log.tensorboard=false",
               "--set", "train.stall_timeout=60"]
@@ -211,7 +212,7 @@ def link(host: str, state: str) -> None:
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_link_down_ends_a_fixed_job_naming_the_host(bed, controller):
     out = bed["tmp"] / f"link-{controller}"
-    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--hosts",
+    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--ssh-alive", ALIVE, "--hosts",
            ",".join(f"{h}:1" for h in HOSTS), "--controller", controller, "--", str(BIN / "python"), SLOW, "0.02",
            *SLOW_TRAIN, "--out", str(out)]
     proc = subprocess.Popen(cmd, env=bed["env"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -259,7 +260,8 @@ def test_a_link_down_drops_the_host_from_an_elastic_job_and_it_rejoins_when_back
     # A real failure, not a graceful removal: the host stays in the discovery's list all along.
     hosts, out = bed["tmp"] / "elastic-hosts", bed["tmp"] / "link-elastic"
     hosts.write_text("".join(f"{h}:1\n" for h in HOSTS))
-    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--host-discovery-script",
+    cmd = [TESTBED, "run", str(BIN / "hvdtrain"), "launch", "--no-preflight", "--ssh-alive", ALIVE,
+           "--host-discovery-script",
            f"{ROOT / 'scripts' / 'discover_hosts.sh'} {hosts}", "--min-np", "2", "--max-np", "3",
            "--blacklist-cooldown", "1", "2", "--", str(BIN / "python"), SLOW, "0.05", *SLOW_TRAIN, "--set",
            "train.max_steps=400", "--set", "elastic.enabled=true", "--set", "elastic.trace_samples=true",
