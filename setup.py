@@ -1,13 +1,19 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The example configs and the Horovod build recipe ship inside the package (`--config digits.yaml`
+# and `hvdtrain build-horovod` work from any folder), from where they live in the checkout. The
+# images install dependencies from setup.py before these folders are copied in: then they are left out.
+SHIPPED = {name: folder for name, folder in (("hvdtrain.configs", "configs"), ("hvdtrain.install", "scripts"))
+           if (Path(__file__).parent / folder / "__init__.py").is_file()}
 
 setup(
     name="hvdtrain",
     version="0.1.0",
     description="Horovod-based data-parallel training toolkit for PyTorch",
-    # The example configs and the Horovod build recipe ship inside the package (`--config digits.yaml`
-    # and `hvdtrain build-horovod` work from any folder), from where they live in the checkout.
-    packages=find_packages(include=["hvdtrain", "hvdtrain.*"]) + ["hvdtrain.configs", "hvdtrain.install"],
-    package_dir={"hvdtrain.configs": "configs", "hvdtrain.install": "scripts"},
+    packages=find_packages(include=["hvdtrain", "hvdtrain.*"]) + list(SHIPPED),
+    package_dir=SHIPPED,
     package_data={"hvdtrain.configs": ["*.yaml"], "hvdtrain.install": ["install.sh"]},
     python_requires=">=3.10",
     # torch: the range we test; install it first (pip would otherwise pick PyPI's CUDA build, GBs).
