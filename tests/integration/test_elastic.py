@@ -194,15 +194,22 @@ def _finish(proc: subprocess.Popen, deadline: float) -> str:
     return finish(proc, deadline - time.monotonic(), "the elastic run")[0]
 
 
+def _one_host_leaves(tmp_path: Path, timeout_s: int) -> tuple[subprocess.Popen, Path, Path, float]:
+    """An elastic job on two hosts, --min-np 2; at step 6 one host leaves the discovery's list (a
+    graceful removal). (launcher, run folder, host file, deadline)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    proc, out = _launch_elastic(tmp_path, hosts, timeout_s)
+    deadline = time.monotonic() + TIMEOUT
+    _wait(proc, out, "step 6 at 2 ranks", lambda t: 6 in t, deadline)
+    hosts.write_text("localhost:1\n")
+    return proc, out, hosts, deadline
+
+
 def test_a_host_removed_below_min_np_ends_the_job_within_the_elastic_timeout(tmp_path):
     # horovod#3494 reports a hang here; Horovod 0.28.1's driver waits --elastic-timeout for --min-np
     # workers, then stops the job. The launcher says so in one line instead of ~80 of tracebacks.
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    proc, out = _launch_elastic(tmp_path, hosts, 15)
-    deadline = time.monotonic() + TIMEOUT
-    _wait(proc, out, "step 6 at 2 ranks", lambda t: 6 in t, deadline)
-    hosts.write_text("localhost:1\n")  # a graceful removal: the host leaves the discovery's list
+    proc, _, _, _ = _one_host_leaves(tmp_path, 15)
     removed = time.monotonic()
     output = _finish(proc, removed + 90)
     ended = time.monotonic() - removed
@@ -214,12 +221,7 @@ def test_a_host_removed_below_min_np_ends_the_job_within_the_elastic_timeout(tmp
 
 
 def test_a_host_back_within_the_elastic_timeout_lets_the_job_go_on(tmp_path):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    proc, out = _launch_elastic(tmp_path, hosts, 60)
-    deadline = time.monotonic() + TIMEOUT
-    _wait(proc, out, "step 6 at 2 ranks", lambda t: 6 in t, deadline)
-    hosts.write_text("localhost:1\n")
+    proc, out, hosts, deadline = _one_host_leaves(tmp_path, 60)
     time.sleep(5)  # below --min-np for a while: the survivor waits
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     output = _finish(proc, deadline)
