@@ -72,11 +72,16 @@ class MemoryConfig:
     trace_steps: str = ""  # e.g. "5-7": a torch.profiler trace of those steps, written under log.dir
     loss_scale: float = 65536.0  # fp16: initial loss scale
     scale_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
-    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients reduce-scattered
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters
+    # ZeRO-3's sharding units: "" = each top-level child (a ModuleList's entries); else a comma list of
+    # class names or qualified-name patterns (e.g. "Block" or "blocks.*"), outermost matches taken
+    zero3_units: str = ""
+    zero3_prefetch: int = 1  # ZeRO-3: units whose allgather is launched ahead of use (0: gather on use)
 
     def __post_init__(self) -> None:
         _choice("memory", "precision", self.precision, PRECISIONS)
-        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2))
+        _choice("memory", "zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _at_least("memory", "zero3_prefetch", self.zero3_prefetch, 0)
         if self.trace_steps:
             parse_steps(self.trace_steps)
         if self.loss_scale <= 0:
@@ -175,6 +180,13 @@ def check_combinations(c: Any) -> None:
         # Its micro-batch can change at any step, so nothing can be loaded ahead in another process.
         raise ConfigError(f"data.num_workers={c.data.num_workers} cannot be combined with adaptive.enabled=true "
                           "(the batch shape changes between steps); use data.num_workers=0")
+    if c.memory.zero_stage == 3 and c.train.on_oom == "retry":
+        # A rank out of memory mid-step would leave its peers waiting in the next unit's allgather.
+        raise ConfigError("memory.zero_stage=3 cannot be combined with train.on_oom=retry (the default); set "
+                          "train.on_oom=stop")
+    if c.memory.zero_stage == 3 and c.comm.error_feedback:
+        # Each micro-batch reduce-scatters on its own: there is no one residual per step to carry.
+        raise ConfigError("comm.error_feedback cannot be combined with memory.zero_stage=3; turn it off")
     if c.memory.trace_steps and not c.log.dir:
         raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
     if c.memory.zero_stage and c.memory.precision == "fp16":

@@ -29,6 +29,7 @@ from hvdtrain.checkpoint import Checkpointer
 from hvdtrain.comm.compression import AutoSelect, FixedCodec, codec_choice
 from hvdtrain.comm.reducer import GradReducer, HookedBuckets
 from hvdtrain.comm.zero import ZeroReducer
+from hvdtrain.comm.zero3 import Zero3Reducer
 from hvdtrain.common import batch_len, num_samples, seed_everything, to_device
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, loader_options
@@ -154,7 +155,8 @@ class _Run:
         cleanup.callback(policy.close)
         precision = Precision.from_config(cfg.memory, world.device)
         registry = session.registry  # the one list of what a checkpoint saves and an elastic commit keeps
-        registry.add_all({"model": model, "optimizer": OptimizerState(stepped), "sampler": sampler, **policy.parts()})
+        registry.add_all({"model": reducer.model_part(model), "optimizer": OptimizerState(stepped), "sampler": sampler,
+                          **policy.parts()})
         registry.add("precision", precision, optional=True)
         registry.add_per_rank("reducer", reducer)
         registry.add_per_rank("rng", RngState(world))
@@ -168,6 +170,9 @@ class _Run:
 
 
 def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedBuckets:
+    if cfg.memory.zero_stage == 3:
+        return Zero3Reducer(world, model, cfg.memory.zero3_units, codec, cfg.comm.bucket_mb, cfg.comm.error_feedback,
+                            cfg.optim.clip_grad_norm, cfg.memory.zero3_prefetch)
     if cfg.memory.zero_stage:
         return ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
                            cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
@@ -224,6 +229,7 @@ def _train(r: _Run) -> FitResult:
             if done:
                 break
     r.policy.finish()
+    r.reducer.unshard()
     r.memprof.finish(log, step)
     log.event(step, "end", checkpoint=result.checkpoint, skipped=result.skipped, stopped=result.stopped)
     if result.stopped:
@@ -247,7 +253,8 @@ def _evaluate_and_save(r: _Run, log: TrainLog, result: FitResult, step: int, epo
         loader = {**loader_options(r.cfg.data, r.world.device), "persistent_workers": False}
         # The micro-batch in force fits with a backward (an adaptive run's grows from a start that
         # can be 30x smaller than the user's batch).
-        result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch, loader)
+        with r.reducer.full_parameters():
+            result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch, loader)
         log.evaluated(step, epoch, tc.epochs, result.eval)
     if r.ckpt.due(step, end_of_epoch, done):
         registry = r.session.registry
@@ -264,7 +271,7 @@ def _restore(r: _Run) -> tuple[int, str | None]:
         # Start from rank 0's weights and buffers. Optimizer state is not broadcast: it is empty on
         # every rank, and Horovod's broadcast_optimizer_state would run a zero-gradient step that
         # applies weight decay and advances Adam's counter (horovod#2805).
-        r.world.broadcast_parameters(r.model.state_dict())
+        r.reducer.broadcast_initial(r.model)
         return 0, None
     # Same verdict on every rank: restore() hands all ranks the same checkpoint.
     r.session.registry.load_state_dict(state, f"checkpoint {state['path']}")

@@ -116,7 +116,7 @@ class OptimizerState:
 
     def load_state_dict(self, state: Any) -> None:
         if "zero_param_groups" in state and isinstance(self.optimizer, torch.optim.Optimizer):
-            raise CheckpointError("it holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1 or 2 "
+            raise CheckpointError("it holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1, 2 or 3 "
                                   "(it re-shards to any world size)")
         self.optimizer.load_state_dict(state)
 

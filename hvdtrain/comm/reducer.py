@@ -13,6 +13,7 @@ error feedback per bucket, and one agreed skip decision when the reduced gradien
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -105,6 +106,24 @@ class HookedBuckets:
     def remove(self) -> None:
         """Detach the hooks (so a model can be trained again with a new reducer)."""
         raise NotImplementedError
+
+    # What the loop asks of the model's parameters; only ZeRO-3, which keeps slices of them, differs.
+
+    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The model's whole parameters for the body (evaluation, a state_dict); with `writeback`,
+        what the body loaded into them is kept. All ranks must enter together."""
+        return contextlib.nullcontext()
+
+    def model_part(self, model: nn.Module) -> Any:
+        """The model as the registry's resumable part."""
+        return model
+
+    def broadcast_initial(self, model: nn.Module) -> None:
+        """Rank 0's weights and buffers on every rank (a run that starts without a checkpoint)."""
+        self.world.broadcast_parameters(model.state_dict())
+
+    def unshard(self) -> None:
+        """At the end of training, on every rank: the model holds its whole trained weights."""
 
 
 class GradReducer(HookedBuckets):

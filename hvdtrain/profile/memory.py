@@ -81,6 +81,8 @@ class ActivationMeter:
         if self._in_backward:
             self.peak, self._current, self._in_backward = max(self.peak, self._current), 0, False
             self._storages.clear()
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return  # a weight (ZeRO-3 gathers them into storages that did not exist when counting began)
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse or storage-less tensors: not counted
@@ -133,7 +135,7 @@ class MemoryProfiler:
     called by all ranks at the end (one named allreduce for the table)."""
 
     def __init__(self, world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.world, self.enabled, self.model = world, cfg.memory.profile, model
+        self.world, self.enabled, self.model, self.optimizer = world, cfg.memory.profile, model, optimizer
         self.log_dir = Path(cfg.log.dir) if cfg.log.dir else None
         self.trace = parse_steps(cfg.memory.trace_steps) if cfg.memory.trace_steps else None
         self.figures: dict[str, int] = {}
@@ -170,7 +172,10 @@ class MemoryProfiler:
         except torch.OutOfMemoryError:
             self._dump_oom_snapshot()
             raise
-        self.figures["params"] = storage_bytes(self.model.parameters())
+        # The optimizer's parameters too: under ZeRO-3 they are this rank's slices, and the model's
+        # own are gathered only while in use (a slice that is a view of a model weight counts once).
+        self.figures["params"] = storage_bytes([*self.model.parameters(),
+                                                *(p for g in self.optimizer.param_groups for p in g["params"])])
         self.figures["activations"] = self._meter.peak
         self.figures.update(self._read_peak())
         for key in CATEGORIES:

@@ -3,12 +3,15 @@
 Memory follows the ZeRO paper's accounting for Ψ parameters on N ranks: parameters P, gradients G
 and optimizer state K bytes per parameter (P = G = 4 in fp32, 2 in fp16/bf16 mixed precision,
 where K also holds a 4-byte fp32 master copy; K = 8 for Adam/AdamW moments, 4 for SGD momentum):
-stage 0 (P+G+K)Ψ, stage 1 (P+G)Ψ + KΨ/N, stage 2 PΨ + (G+K)Ψ/N. hvdtrain's own autocast keeps fp32
-weights, so its runs are the fp32 rows; the fp16/bf16 rows are the paper's mixed-precision layout.
+stage 0 (P+G+K)Ψ, stage 1 (P+G)Ψ + KΨ/N, stage 2 PΨ + (G+K)Ψ/N, stage 3 (P+G+K)Ψ/N plus the
+gathered buckets in flight: the root unit and the 1 + `memory.zero3_prefetch` largest units, P bytes
+per parameter. hvdtrain's own autocast keeps fp32 weights, so its runs are the fp32 rows; the
+fp16/bf16 rows are the paper's mixed-precision layout.
 
 Time uses the ring model with latency α and bandwidth β per link: allreduce of B bytes
 2(N-1)α + 2(N-1)/N·B/β, reduce-scatter and allgather (N-1)α + (N-1)/N·B/β, α paid per bucket.
-hvdtrain's stage 1 allreduces gradients and allgathers parameters; stage 2 reduce-scatters instead.
+hvdtrain's stage 1 allreduces gradients and allgathers parameters; stage 2 reduce-scatters instead;
+stage 3 reduce-scatters gradients and allgathers every unit twice (forward and backward), α paid per unit.
 `--measure` runs real steps (under horovodrun: every rank) and prints the measured figures beside.
 """
 
@@ -23,7 +26,7 @@ from hvdtrain.config import OPTIMIZERS, TASKS
 from hvdtrain.errors import ConfigError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def state_bytes(optimizer: str, precision: str, momentum: bool = True) -> int:
@@ -32,13 +35,17 @@ def state_bytes(optimizer: str, precision: str, momentum: bool = True) -> int:
     return moments + (0 if precision == "fp32" else 4)
 
 
-def memory(params: int, ranks: int, stage: int, optimizer: str, precision: str, momentum: bool = True) -> dict:
-    """Predicted bytes per rank by category (the ZeRO paper's formulas)."""
+def memory(params: int, ranks: int, stage: int, optimizer: str, precision: str, momentum: bool = True,
+           in_flight: int = 0) -> dict:
+    """Predicted bytes per rank by category (the ZeRO paper's formulas); `in_flight`: stage 3's
+    parameters gathered at once at most (see `zero3_in_flight`)."""
     _check(params, ranks, stage, optimizer, precision)
     p = g = 4 if precision == "fp32" else 2
     k = state_bytes(optimizer, precision, momentum)
-    shard = {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks)}[stage]
+    shard = {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[stage]
     out = {"params": p * params / shard[0], "grads": g * params / shard[1], "optimizer": k * params / shard[2]}
+    if stage == 3:
+        out["params"] += p * in_flight
     out["total"] = sum(out.values())
     return out
 
@@ -52,15 +59,17 @@ def ring_seconds(kind: str, nbytes: float, ranks: int, bandwidth: float, latency
 
 
 def comm(params: int, ranks: int, stage: int, precision: str, compression: str, bandwidth: float,
-         latency: float, bucket_bytes: float) -> dict:
-    """Predicted seconds per optimizer step for each collective hvdtrain issues at `stage`."""
+         latency: float, bucket_bytes: float, units: int = 0) -> dict:
+    """Predicted seconds per optimizer step for each collective hvdtrain issues at `stage` (stage 3:
+    `units` buckets, each gathered twice)."""
     grad_wire = 2 if precision != "fp32" or compression in ("fp16", "bf16") else 4
     param_wire = 4 if precision == "fp32" else 2
-    buckets = max(1, math.ceil(params * 4 / bucket_bytes))
-    grads = "reducescatter" if stage == 2 else "allreduce"
+    buckets = units if stage == 3 and units else max(1, math.ceil(params * 4 / bucket_bytes))
+    grads = "reducescatter" if stage >= 2 else "allreduce"
     out = {grads: ring_seconds(grads, grad_wire * params, ranks, bandwidth, latency, buckets)}
     if stage:
-        out["allgather"] = ring_seconds("allgather", param_wire * params, ranks, bandwidth, latency, buckets)
+        gathers = 2 if stage == 3 else 1
+        out["allgather"] = gathers * ring_seconds("allgather", param_wire * params, ranks, bandwidth, latency, buckets)
     out["total"] = sum(out.values())
     return out
 
@@ -71,28 +80,45 @@ def _check(params: int, ranks: int, stage: int, optimizer: str, precision: str) 
     if ranks < 1:
         raise ConfigError(f"--world-size={ranks} must be >= 1")
     if stage not in STAGES:
-        raise ConfigError(f"--zero-stage={stage!r} is not allowed; choose one of 0, 1, 2")
+        raise ConfigError(f"--zero-stage={stage!r} is not allowed; choose one of 0, 1, 2, 3")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer={optimizer!r} is not allowed; choose one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision={precision!r} is not allowed; choose one of {', '.join(PRECISIONS)}")
 
 
-def count_model_params(cfg: Any) -> int:
-    """Parameters of the config's built-in model (tied weights once), built without memory."""
+def _meta_model(cfg: Any) -> Any:
+    """The config's built-in model, built without memory."""
     import torch
 
-    from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet, count_parameters
+    from hvdtrain.tasks.models import GPT, DigitsCNN, ResNet
 
-    model: torch.nn.Module
     with torch.device("meta"):
         if cfg.task == "pylm":
-            model = GPT(cfg.model)
-        elif cfg.task == "digits":
-            model = DigitsCNN(cfg.model.width)
-        else:
-            model = ResNet(cfg.model.width, cfg.data.num_classes)
-    return count_parameters(model)
+            return GPT(cfg.model)
+        if cfg.task == "digits":
+            return DigitsCNN(cfg.model.width)
+        return ResNet(cfg.model.width, cfg.data.num_classes)
+
+
+def count_model_params(cfg: Any) -> int:
+    """Parameters of the config's built-in model (tied weights once)."""
+    from hvdtrain.tasks.models import count_parameters
+
+    return count_parameters(_meta_model(cfg))
+
+
+def zero3_in_flight(cfg: Any, ranks: int) -> tuple[int, int]:
+    """ZeRO-3 on the config's built-in model: (parameters gathered at once at most, number of units).
+    The root unit stays gathered through a micro-batch; besides it, the unit in use and the
+    `memory.zero3_prefetch` units gathered ahead, at most the largest ones."""
+    from hvdtrain.comm.zero3 import sharding_units, unit_buckets
+
+    model = _meta_model(cfg)
+    buckets, modules = unit_buckets(model, sharding_units(model, cfg.memory.zero3_units), ranks)
+    sizes = [b["numel"] for b in buckets]
+    root = sizes.pop() if modules[-1] is model else 0
+    return root + sum(sorted(sizes, reverse=True)[:1 + cfg.memory.zero3_prefetch]), len(buckets)
 
 
 def largest_layers(cfg: Any, budget: float, ranks: int, stage: int, optimizer: str, precision: str) -> dict:
@@ -106,10 +132,11 @@ def largest_layers(cfg: Any, budget: float, ranks: int, stage: int, optimizer: s
 
     # Every block has the same size, so the count is linear in depth: two builds give the line.
     base, per_layer = params(1), params(2) - params(1)
+    in_flight = zero3_in_flight(cfg, ranks)[0] if stage == 3 else 0  # the same at every depth > prefetch
     best: dict = {"n_layer": 0, "params": 0}
     for layers in range(1, 100_000):
         n = base + (layers - 1) * per_layer
-        if memory(n, ranks, stage, optimizer, precision)["total"] > budget:
+        if memory(n, ranks, stage, optimizer, precision, in_flight=in_flight)["total"] > budget:
             break
         best = {"n_layer": layers, "params": n}
     return best
@@ -134,7 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=0, help="ranks (default: the launcher's, else 1)")
     p.add_argument("--precision", default="fp32", help="comma list of fp32, fp16, bf16")
     p.add_argument("--optimizer", default="", help="comma list of sgd, adam, adamw (default: optim.name)")
-    p.add_argument("--zero-stage", default="", help="comma list of 0, 1, 2 (default: memory.zero_stage)")
+    p.add_argument("--zero-stage", default="", help="comma list of 0, 1, 2, 3 (default: memory.zero_stage)")
     p.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth in Gbit/s")
     p.add_argument("--latency", type=float, default=50.0, help="per-message latency in microseconds")
     p.add_argument("--measure-link", action="store_true", help="fit latency and bandwidth to a quick allreduce")
@@ -165,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     for precision in precisions:
         for optimizer in optimizers:
             for stage in stages:
-                record = predict(cfg, params, ranks, stage, optimizer, precision, link)
+                record = predict(cfg, params, ranks, stage, optimizer, precision, link, bool(args.params))
                 if args.budget_gb:
                     record["budget_gb"] = args.budget_gb
                     record["largest"] = largest_layers(cfg, args.budget_gb * 2**30, ranks, stage, optimizer, precision)
@@ -194,13 +221,19 @@ def _add_measured(record: dict[str, Any], world: Any, cfg: Any, stage: int, opti
                                          for k in record["memory"] if record["memory"][k]}
 
 
-def predict(cfg: Any, params: int, ranks: int, stage: int, optimizer: str, precision: str, link: dict) -> dict:
+def predict(cfg: Any, params: int, ranks: int, stage: int, optimizer: str, precision: str, link: dict,
+            given_params: bool = False) -> dict:
     bandwidth = link["bandwidth_gbit_s"] * 1e9 / 8
-    mem = memory(params, ranks, stage, optimizer, precision, cfg.optim.momentum > 0)
-    return {"plan": "zero", "params": params, "world_size": ranks, "zero_stage": stage, "optimizer": optimizer,
-            "precision": precision, "memory": mem,
-            "comm_s": comm(params, ranks, stage, precision, cfg.comm.compression, bandwidth, link["latency_us"] * 1e-6,
-                           cfg.comm.bucket_mb * 2**20), "link": link}
+    # Stage 3's gathered buckets depend on the model's units: known for a built-in model, not for --params.
+    in_flight, units = zero3_in_flight(cfg, ranks) if stage == 3 and not given_params else (0, 0)
+    mem = memory(params, ranks, stage, optimizer, precision, cfg.optim.momentum > 0, in_flight)
+    record = {"plan": "zero", "params": params, "world_size": ranks, "zero_stage": stage, "optimizer": optimizer,
+              "precision": precision, "memory": mem,
+              "comm_s": comm(params, ranks, stage, precision, cfg.comm.compression, bandwidth,
+                             link["latency_us"] * 1e-6, cfg.comm.bucket_mb * 2**20, units), "link": link}
+    if stage == 3:
+        record["in_flight_params"] = in_flight if not given_params else None  # None: no model to take units from
+    return record
 
 
 def measure_link(world: Any) -> dict:

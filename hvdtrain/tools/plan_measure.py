@@ -33,6 +33,7 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     """Run `steps` optimizer steps; bytes per category on the largest rank, peak RSS. All ranks call."""
     from hvdtrain.comm.reducer import GradReducer
     from hvdtrain.comm.zero import ZeroReducer
+    from hvdtrain.comm.zero3 import Zero3Reducer
     from hvdtrain.common import to_device
     from hvdtrain.data import ShardedBatchSampler, train_loader
     from hvdtrain.optim import build_optimizer
@@ -46,7 +47,10 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     rss_built = proc_status()["VmRSS"]  # the model and data are built; no gradient or state yet
     reset_peak_rss()
     reducer: ZeroReducer | GradReducer
-    if stage:
+    if stage == 3:
+        reducer = Zero3Reducer(world, model, cfg.memory.zero3_units, cfg.comm.compression,
+                               prefetch=cfg.memory.zero3_prefetch)
+    elif stage:
         reducer = ZeroReducer(world, model.named_parameters(), stage, cfg.comm.compression, cfg.comm.bucket_mb)
     else:
         reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
@@ -78,8 +82,9 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
 
 def _comm_seconds(world: World, numels: list[int], stage: int, repeats: int = 3) -> dict[str, float]:
     """Median seconds of the step's collectives over the real bucket sizes, one bucket after the
-    other, without compute to overlap (what the ring model predicts). All ranks call."""
-    kinds = ["reducescatter" if stage == 2 else "allreduce"] + (["allgather"] if stage else [])
+    other, without compute to overlap (what the ring model predicts); stage 3 gathers each bucket
+    twice, so its allgather figure is twice one round's. All ranks call."""
+    kinds = ["reducescatter" if stage >= 2 else "allreduce"] + (["allgather"] if stage else [])
     out: dict[str, float] = {}
     for kind in kinds:
         times = []
@@ -97,6 +102,6 @@ def _comm_seconds(world: World, numels: list[int], stage: int, repeats: int = 3)
                     world.allreduce(x, name=name, op="average")
             if i:
                 times.append(time.perf_counter() - start)
-        out[kind] = statistics.median(times)
+        out[kind] = statistics.median(times) * (2 if kind == "allgather" and stage == 3 else 1)
     out["total"] = sum(out.values())
     return out

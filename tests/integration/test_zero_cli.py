@@ -38,7 +38,31 @@ def test_two_rank_zero2_checkpoint_resumes_on_one_rank(tmp_path):
     refused = run([CLI, "train", *COMMON, "--out", str(out), "--resume", "--set", "train.batch_size=64",
                    "--set", "train.max_steps=8"], timeout=120, check=False, split=True)
     assert refused.returncode == 2
-    assert "holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1 or 2" in refused.stderr
+    assert "holds ZeRO-sharded optimizer state; resume it with memory.zero_stage=1, 2 or 3" in refused.stderr
+
+
+def test_two_rank_zero3_checkpoint_reshards_to_one_rank(tmp_path):
+    # pylm: no batch norm, so one rank's step over the global batch equals two ranks' averaged steps.
+    stage3 = ["--task", "pylm", "--set", "model.preset=tiny", "--set", "data.max_bytes=60000", "--set",
+              "optim.name=adam", "--set", "optim.lr=0.001", "--set", "optim.lr_scaling=none", "--set",
+              "log.progress=false", "--set", "memory.zero_stage=3", "--set", "train.on_oom=stop"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for out, steps in ((whole, 6), (cut, 4)):
+        horovodrun([CLI, "train", *stage3, "--set", "train.batch_size=8", "--out", str(out), "--set",
+                    f"train.max_steps={steps}"], controller="mpi", timeout=180)
+    ckpts = cut / "checkpoints"
+    saved = load_checkpoint(ckpts / (ckpts / "latest").read_text())
+    assert [r["reducer"]["zero"]["stage"] for r in saved["ranks"]] == [3, 3]
+    # Steps 5 and 6 on one rank at the same global batch (16), from the two shards re-cut into one.
+    again = run([CLI, "train", *stage3, "--out", str(cut), "--resume", "--set", "train.batch_size=16",
+                 "--set", "train.max_steps=6"], timeout=120).stdout
+    assert "resumed from" in again and "done: step 6" in again
+    resumed = load_checkpoint(ckpts / (ckpts / "latest").read_text())
+    assert resumed["ranks"][0]["reducer"]["zero"]["world_size"] == 1
+    reference = load_checkpoint(whole / "checkpoints" / (whole / "checkpoints" / "latest").read_text())
+    for key, value in reference["model"].items():
+        # One rank's mean over 16 samples against the average of two ranks' means over 8.
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_plan_measure_matches_prediction_on_one_rank():

@@ -47,6 +47,28 @@ def test_ring_model_times():
     assert c["allreduce"] == pytest.approx(0.6) and c["total"] == pytest.approx(1.2)  # fp16 gradients
 
 
+def test_zero3_shards_everything_and_adds_the_gathered_units():
+    psi, n = 1000, 4
+    assert plan.memory(psi, n, 3, "adam", "fp32", in_flight=300) == {"params": 1000 + 1200, "grads": 1000,
+                                                                     "optimizer": 2000, "total": 5200}
+    # Two allgathers per step (forward and backward) and one reduce-scatter: 1.5x stage 2's data.
+    c2 = plan.comm(250_000_000, 4, 2, "fp32", "none", 1.25e9, 0.0, 2**40)
+    c3 = plan.comm(250_000_000, 4, 3, "fp32", "none", 1.25e9, 0.0, 2**40, units=10)
+    assert c3["total"] == pytest.approx(1.5 * c2["total"])
+
+
+def test_zero3_in_flight_is_the_root_and_the_largest_units():
+    cfg = Config(task="pylm", model=ModelConfig(n_layer=4, n_head=2, n_embd=48, block_size=32))
+    model = GPT(cfg.model)
+    block = count_parameters(model.blocks[0])
+    root = model.tok.weight.numel()  # tied to the output layer: two units claim it
+    n = 2
+    pad = lambda k: -(-k // n) * n  # noqa: E731
+    assert plan.zero3_in_flight(cfg, n) == (pad(root) + 2 * pad(block), 4 + 2 + 1)  # blocks, pos, ln_f, root
+    prefetch2 = dataclasses.replace(cfg, memory=MemoryConfig(zero3_prefetch=2))
+    assert plan.zero3_in_flight(prefetch2, n)[0] == pad(root) + 3 * pad(block)
+
+
 def test_model_parameter_count_matches_the_built_model():
     cfg = Config(task="pylm", model=ModelConfig(n_layer=3, n_head=2, n_embd=48))
     torch.manual_seed(0)
@@ -64,7 +86,7 @@ def test_largest_depth_fits_and_one_more_does_not():
 
 
 @pytest.mark.parametrize("call", [
-    lambda: plan.memory(10, 2, 3, "adam", "fp32"),
+    lambda: plan.memory(10, 2, 4, "adam", "fp32"),
     lambda: plan.memory(10, 2, 0, "lamb", "fp32"),
     lambda: plan.memory(10, 2, 0, "adam", "fp8"),
     lambda: plan.memory(0, 2, 0, "adam", "fp32"),
@@ -76,7 +98,7 @@ def test_bad_inputs_raise_config_error(call):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--params", "10", "--zero-stage", "3"], "--zero-stage='3' is not allowed"),
+    (["--params", "10", "--zero-stage", "4"], "--zero-stage='4' is not allowed"),
     (["--params", "10", "--precision", "fp8"], "--precision='fp8' is not allowed"),
     (["--params", "10", "--bandwidth", "0"], "--bandwidth must be > 0"),
     (["--params", "10", "--measure"], "--measure runs a built-in task in fp32"),
@@ -88,8 +110,15 @@ def test_cli_input_errors_are_one_line_exit_2(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_memory_config_allows_stages_0_to_2_only():
+def test_memory_config_allows_stages_0_to_3_only():
     assert build(overrides=["memory.zero_stage=2"]).memory == MemoryConfig(zero_stage=2)
-    with pytest.raises(ConfigError, match=r"memory.zero_stage=3 is not allowed; choose one of 0, 1, 2"):
-        MemoryConfig(zero_stage=3)
+    with pytest.raises(ConfigError, match=r"memory.zero_stage=4 is not allowed; choose one of 0, 1, 2, 3"):
+        MemoryConfig(zero_stage=4)
+    # Stage 3 needs train.on_oom=stop and no error feedback, each refused in one line naming the setting.
+    with pytest.raises(ConfigError, match=r"memory.zero_stage=3 cannot be combined with train.on_oom=retry"):
+        build(overrides=["memory.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"comm.error_feedback cannot be combined with memory.zero_stage=3"):
+        build(overrides=["memory.zero_stage=3", "train.on_oom=stop", "comm.error_feedback=true"])
+    with pytest.raises(ConfigError, match=r"memory.zero3_prefetch=-1 must be >= 0"):
+        MemoryConfig(zero3_prefetch=-1)
     assert dataclasses.asdict(Config())["memory"]["zero_stage"] == 0
