@@ -167,3 +167,18 @@ def test_zero3_checkpoint_resumes_exactly(world):
     more = dataclasses.replace(base, memory=MemoryConfig(zero_stage=2), checkpoint=latest)
     train(world, more, again)  # the checkpoint is the end of training: nothing left to run
     assert torch.equal(flat_params(again), flat_params(resumed))
+
+
+def test_bench_memory_compares_zero_variants(world):
+    from hvdtrain.bench.memory import memory
+    from hvdtrain.config import build
+
+    cfg = build(task="pylm", overrides=["model.preset=tiny", "data.max_bytes=20000", "train.batch_size=2",
+                                        "log.progress=false"])
+    records = memory(world, cfg, ["fp32+z2", "fp32+z3+pf0", "fp32+z3"], steps=2, warmup=1, rounds=1)
+    by = {r["variant"]: r for r in records}
+    assert set(by) == {"fp32+z2", "fp32+z3+pf0", "fp32+z3"} and all(r["step_s"] > 0 for r in records)
+    assert "gather_wait_s" not in by["fp32+z2"] and by["fp32+z3"]["gather_wait_s"] >= 0
+    # Between steps ZeRO-3 holds only its slices of the parameters (the profiler counts them).
+    if world.size > 1:
+        assert by["fp32+z3"]["params_bytes"] < by["fp32+z2"]["params_bytes"]

@@ -161,7 +161,8 @@ def test_activation_meter_keeps_the_largest_micro_batch():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variants", "fp64"], "--variants 'fp64' is not allowed; choose from fp32, fp32+ckpt"),
+    (["--variants", "fp64"], "--variants 'fp64' is not allowed; a precision (fp32, bf16, fp16) and optional"),
+    (["--variants", "fp32+z2+pf0"], "--variants 'fp32+z2+pf0' is not allowed"),
     (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bench_memory_rejects_bad_flags(argv, message, capsys):
