@@ -189,7 +189,3 @@ def check_combinations(c: Any) -> None:
         raise ConfigError("comm.error_feedback cannot be combined with memory.zero_stage=3; turn it off")
     if c.memory.trace_steps and not c.log.dir:
         raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
-    if c.memory.zero_stage and c.memory.precision == "fp16":
-        # The loss scale is undone on full gradients; ZeRO keeps only this rank's slice of them.
-        raise ConfigError(f"memory.precision=fp16 cannot be combined with memory.zero_stage="
-                          f"{c.memory.zero_stage}; use precision bf16 or fp32 with ZeRO")

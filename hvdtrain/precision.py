@@ -102,9 +102,12 @@ class Precision:
             if finite:
                 if self.scaler is not None:
                     inv = 1.0 / self.scaler.scale  # a power of two: unscaling is exact
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(inv)
+                    if reducer is not None:
+                        reducer.unscale_(inv, params)  # ZeRO's gradients are its slices
+                    else:
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.mul_(inv)
                 if clip > 0:
                     torch.nn.utils.clip_grad_norm_(params, clip)  # on the true averaged gradient
                 optimizer.step()

@@ -95,6 +95,13 @@ class HookedBuckets:
         """The optimizer the loop steps and the norm the loop clips the averaged gradient to."""
         raise NotImplementedError
 
+    def unscale_(self, factor: float, params: list[nn.Parameter]) -> None:
+        """Multiply the averaged gradient the optimizer will read by `factor` (fp16's loss scale
+        undone, after `synchronize`): here the parameters' own `.grad`."""
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (residuals differ between ranks)."""
         raise NotImplementedError

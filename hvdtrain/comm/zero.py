@@ -94,6 +94,14 @@ class ZeroReducer(HookedBuckets):
 
     # ---- optimizer ----
 
+    def unscale_(self, factor: float, params: list[nn.Parameter]) -> None:
+        """fp16: the slices' gradients are what the optimizer reads, and the global norm that
+        clipping uses was taken on the scaled gradient."""
+        for s in self.shards:
+            if s.grad is not None:
+                s.grad.mul_(factor)
+        self.grad_norm = self.grad_norm * factor
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, clip: float) -> tuple[Any, float]:
         """The sharded optimizer the loop steps; it clips by the global norm itself (the loop: 0)."""
         return self.shard_optimizer(optimizer), 0.0

@@ -182,3 +182,28 @@ def test_bench_memory_compares_zero_variants(world):
     # Between steps ZeRO-3 holds only its slices of the parameters (the profiler counts them).
     if world.size > 1:
         assert by["fp32+z3"]["params_bytes"] < by["fp32+z2"]["params_bytes"]
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_fp16_loss_scale_with_every_zero_stage_matches_unsharded(world, clip):
+    # The scaled gradient is unscaled on the slices, and the global norm clipping uses with it.
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        model = mlp(seed=0)
+        result = train(world, config(stage, "adam", clip, precision="fp16", accumulation=2), model)
+        assert result.skipped == 0
+        runs[stage] = flat_params(model)
+    for stage in (1, 2, 3):
+        torch.testing.assert_close(runs[stage], runs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_fp16_overflow_skips_on_every_rank_and_backs_off_the_scale(world):
+    # A loss scale of 2^20 overflows fp16 at once: the step is skipped everywhere and the scale halves
+    # until it fits; then training goes on.
+    cfg = config(3, "adam", precision="fp16", epochs=2)
+    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, loss_scale=2.0**20))
+    model = mlp(seed=0)
+    result = train(world, cfg, model)
+    assert result.skipped > 0 and result.step > result.skipped
+    assert world.allgather_object(result.skipped, name="t.zero3.fp16.skips") == [result.skipped] * world.size
+    assert torch.isfinite(flat_params(model)).all()
