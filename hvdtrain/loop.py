@@ -151,9 +151,9 @@ class _Run:
         cleanup.callback(reducer.remove)
         optimizer = optimizer or build_optimizer(model, cfg.optim)
         stepped, clip = reducer.prepare_optimizer(optimizer, cfg.optim.clip_grad_norm)
-        policy = _policy(world, cfg, model, stepped, reducer, sampler, train_set, loss_fn, injector)
-        cleanup.callback(policy.close)
         precision = Precision.from_config(cfg.memory, world.device)
+        policy = _policy(world, cfg, model, stepped, reducer, sampler, train_set, loss_fn, injector, precision)
+        cleanup.callback(policy.close)
         registry = session.registry  # the one list of what a checkpoint saves and an elastic commit keeps
         registry.add_all({"model": reducer.model_part(model), "optimizer": OptimizerState(stepped), "sampler": sampler,
                           **policy.parts()})
@@ -180,14 +180,14 @@ def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedB
 
 
 def _policy(world: World, cfg: Config, model: nn.Module, optimizer: Any, reducer: HookedBuckets,
-            sampler: ShardedBatchSampler, train_set: Dataset, loss_fn: LossFn, injector: FaultInjector) -> BatchPolicy:
+            sampler: ShardedBatchSampler, train_set: Dataset, loss_fn: LossFn, injector: FaultInjector,
+            precision: Precision) -> BatchPolicy:
     if not cfg.adaptive.enabled:
         return FixedBatch(sampler, train_set, injector, cfg.train.on_oom, loader_options(cfg.data, world.device))
     # Imported here: the probe, the statistics and the goodput model load only for adaptive runs.
     from hvdtrain.adaptive.controller import AdaptiveController
 
-    assert isinstance(reducer, GradReducer)  # the config refuses adaptive batch sizing with ZeRO
-    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, injector)
+    return AdaptiveController(world, cfg, model, optimizer, reducer, sampler, train_set, loss_fn, injector, precision)
 
 
 def _train(r: _Run) -> FitResult:

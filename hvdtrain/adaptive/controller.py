@@ -30,7 +30,7 @@ from hvdtrain.adaptive.decision import PendingDecision
 from hvdtrain.adaptive.gns import GradNormMeter, NoiseScale
 from hvdtrain.adaptive.probe import Prober, probe
 from hvdtrain.adaptive.stats import StepStats
-from hvdtrain.comm.reducer import GradReducer
+from hvdtrain.comm.reducer import GradReducer, HookedBuckets
 from hvdtrain.common import num_samples, shrink_after_oom
 from hvdtrain.config import Config, parse_milestones
 from hvdtrain.data import ShardedBatchSampler
@@ -38,6 +38,7 @@ from hvdtrain.errors import ConfigError
 from hvdtrain.faults import FaultInjector
 from hvdtrain.metrics import TrainLog
 from hvdtrain.optim import LRSchedule
+from hvdtrain.precision import Precision
 from hvdtrain.state import Resumable
 from hvdtrain.step import LossFn, Outcome, StepHooks
 from hvdtrain.world import World
@@ -50,12 +51,13 @@ class AdaptiveController(StepHooks):
     survives_oom = True
 
     def __init__(self, world: World, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 reducer: GradReducer, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: LossFn,
-                 injector: FaultInjector | None = None) -> None:
+                 reducer: HookedBuckets, sampler: ShardedBatchSampler, dataset: Dataset, loss_fn: LossFn,
+                 injector: FaultInjector | None = None, precision: Precision | None = None) -> None:
         ac, tc = cfg.adaptive, cfg.train
         self.world, self.cfg, self.ac = world, cfg, ac
         self.model, self.optimizer, self.sampler, self.dataset = model, optimizer, sampler, dataset
         self.loss_fn, self.hooks = loss_fn, self
+        self.precision = precision or Precision()
         # An elastic run's controller takes B0 and B_max from any state it loads (the first world's),
         # which always comes from another world: it reshapes the batch and probes memory again.
         self.adopt = cfg.elastic.enabled
@@ -64,15 +66,24 @@ class AdaptiveController(StepHooks):
         self.base, self.max_batch, self.min_k, self.m, self.k = shape
         self.cap = ac.max_micro_batch or self.max_batch // world.size
         self.sizes = [tc.batch_size * 2**i for i in range(12)] + [max(1, tc.batch_size // 2**i) for i in range(1, 6)]
-        self.adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        # Under ZeRO the loop steps a sharded optimizer: its kind and state are those of the inner one.
+        self.inner: torch.optim.Optimizer = getattr(optimizer, "inner", optimizer)
+        self.adam = isinstance(self.inner, (torch.optim.Adam, torch.optim.AdamW))
         self.milestones = parse_milestones(cfg.optim.milestones) if ac.policy == "decay_to_batch" else ()
         self.noise = NoiseScale(ac.smoothing, self.base)
         self.times = goodput.StepTimeModel({})
         self.injector = injector or FaultInjector(cfg.faults, world.rank)
-        self.meter = GradNormMeter(model.parameters(), optimizer, ac.precondition)
+        # ZeRO keeps slices of Adam's second moment, and the local norms need all of it on every rank
+        # (4 bytes a parameter, what ZeRO exists to save): under ZeRO the noise scale is measured on
+        # raw gradients, as with adaptive.precondition=false.
+        self.sharded = not isinstance(reducer, GradReducer)
+        if self.sharded and ac.precondition and self.adam:
+            world.warn("adaptive: with memory.zero_stage the noise scale is measured on raw gradients "
+                       "(adaptive.precondition applies to memory.zero_stage=0 only)")
+        self.meter = GradNormMeter(model.parameters(), self.inner, ac.precondition and not self.sharded)
         self.reducer = reducer
         reducer.hold_last_bucket()  # backward's last bucket: an OOM can always poison it
-        if self.meter.use_buckets(reducer.buckets):
+        if isinstance(reducer, GradReducer) and self.meter.use_buckets(reducer.buckets):
             reducer.add_tap(self.meter.bucket_ready)
         self.stats = StepStats(world, self.noise, self.times)
         self.tau, self.lr_factor, self.probed, self.ooms = 0.0, 1.0, not ac.probe, 0
@@ -178,16 +189,24 @@ class AdaptiveController(StepHooks):
             reducer.launch_rest(fill=math.nan)
         elif self.meter.flat:
             reducer.launch_rest()  # a bucket a parameter got no gradient in still holds this rank's gradient
-        local = 0.0 if oom else self.meter.local_sum(1.0 / self.k)
+        local = 0.0 if oom else self.meter.local_sum(self._grad_scale() / self.k)
         self.meter.active = False
         self._stats_handle = self.stats.start(local, compute, self.clock.sync, self.clock.rest)
 
     def after_sync(self, reducer: Any, finite: bool) -> Outcome:
         """Settle the stats (applied a step later, or now if the average is not finite)."""
         self.clock.sync_done()
-        g2 = self.meter.global_sq(reducer.flats()) if finite and self.meter.settled else None
+        g2 = None
+        if finite and self.meter.settled:
+            g2 = reducer.averaged_sq() if self.sharded else self.meter.global_sq(reducer.flats())
+            g2 /= self._grad_scale() ** 2
         self.stats.settle(self._stats_handle, finite, g2, self.m, self.k)
         return Outcome.STEPPED if finite else Outcome.SKIPPED
+
+    def _grad_scale(self) -> float:
+        """fp16's loss scale, by which every gradient the statistics see is multiplied (1 otherwise);
+        it changes only after the step's verdict, so one value holds for a whole attempt."""
+        return self.precision.scaler.scale if self.precision.scaler is not None else 1.0
 
     def retry_after_oom(self, step: int) -> list[Any]:
         """A smaller m and a larger k for the same samples (same B, so the same lr); this rank's new
@@ -254,7 +273,7 @@ class AdaptiveController(StepHooks):
         m, k, phi = self.pending.take()
         ratio = goodput.second_moment_ratio(phi, self.batch, self.world.size * m * k)
         # Before _change so its batch event can say whether Adam's state was rescaled (non-Adam: no).
-        rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.optimizer, ratio)
+        rescaled = self.ac.rescale_adam and optim.rescale_second_moment(self.inner, ratio)
         self._change(step, m, k, log, phi, f"noise scale {phi:.0f}", **({"adam_v_scale": ratio} if rescaled else {}))
 
     def _follow_decays(self, step: int, log: TrainLog) -> None:

@@ -117,6 +117,9 @@ class Prober:
         if update:
             self.optimizer.step()  # materialises optimizer state before anything is measured
         self.optimizer.zero_grad()
+        # The model's own gradients too: under ZeRO the optimizer's are slices, and a probe's
+        # gradient left in `.grad` would be added to the first real step's.
+        self.model.zero_grad(set_to_none=True)
         return used
 
     def largest(self, start: int, limit: int, budget: int, margin: float) -> int:

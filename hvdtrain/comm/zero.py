@@ -131,12 +131,17 @@ class ZeroReducer(HookedBuckets):
     def _gather_grads(self, b: int) -> torch.Tensor:
         bucket = self.buckets[b]
         flat = self.full_grads[b] if self.full_grads is not None else torch.zeros_like(self.flat[b])
+        end = 0
         for (_, p), off in zip(bucket["params"], bucket["offsets"]):
             if p.grad is None:  # unused this step: still sent, as zeros, so shapes match everywhere
                 flat[off:off + p.numel()].zero_()
             else:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None  # the flat bucket is now the only copy
+            end = off + p.numel()
+        # Stage 1 reuses its buffer: the padding must be zeroed again after a NaN fill (an OOM's
+        # attempt), or it would poison the norm of every later step.
+        flat[end:].zero_()
         return flat
 
     def _launch(self, b: int, fill: float | None = None) -> None:
@@ -200,6 +205,10 @@ class ZeroReducer(HookedBuckets):
                     self.residuals[b] = compensated.sub_(sent)
         self._compensated.clear()
         return finite
+
+    def averaged_sq(self) -> float:
+        """|ḡ|² of the averaged gradient (before clipping), from the norm `synchronize` agreed on."""
+        return float(self.grad_norm) ** 2
 
     def step(self) -> None:
         """Clip by the global norm, update this rank's slices, allgather them. All ranks must call."""
@@ -283,6 +292,11 @@ class ShardedOptimizer:
 
     def __init__(self, zero: ZeroReducer) -> None:
         self.zero = zero
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's slices (its kind and its elementwise state)."""
+        return self.zero.shard_opt
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -351,3 +351,62 @@ def test_a_decision_that_fails_on_rank_0_stops_every_rank_instead_of_hanging(wor
     cfg = growing_config(max_micro_batch=0)
     with pytest.raises(RuntimeError, match="step 2: rank 0's batch decision failed"):
         hvdtrain.fit(world, mlp(seed=3), None, Indexed(64 * world.size), cfg, loss_fn=recording_loss([]))
+
+
+def with_precision(cfg, precision):
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, precision=precision))
+
+
+def test_fp16_oom_retry_keeps_the_loss_scale_and_matches_the_schedule_without_the_fault(world):
+    # The OOM rank's NaN makes the average non-finite, but the flags turn that into a retry: the loss
+    # scale is not halved, nothing is counted as skipped, and the run equals the fault-free one that
+    # used the smaller micro-batch from the start. fp16 rounds each micro-batch's weight gradient, so
+    # the two splits of the same samples differ by that rounding: atol 1e-3 (the weights are ~0.1-1).
+    data, oom_step = Indexed(192), 3
+    injected = with_precision(adaptive_config(oom_above=4, oom_rank=world.size - 1, oom_step=oom_step), "fp16")
+    model, reference_model = mlp(seed=2), mlp(seed=2)
+    result = hvdtrain.fit(world, model, None, data, injected, loss_fn=recording_loss([]))
+    reference = hvdtrain.fit(world, reference_model, None, data,
+                             with_precision(adaptive_config(batch_size=4, accumulation=4), "fp16"),
+                             loss_fn=recording_loss([]))
+    got = adaptive_records(result.history)
+    assert [r["ooms"] for r in got][oom_step - 1:oom_step + 1] == [0, 1]
+    assert result.skipped == 0 and not any(r.get("event") == "skip" for r in result.history)
+    assert [r["B"] for r in got] == [r["B"] for r in adaptive_records(reference.history)]
+    torch.testing.assert_close(flat_params(model), flat_params(reference_model), rtol=0, atol=1e-3)
+
+
+def test_fp16_noise_scale_is_measured_unscaled_and_the_batch_grows(world):
+    # The statistics see gradients times the loss scale (65536); undone, the noise scale matches the
+    # fp32 run's, and the batch grows under fp16 as under fp32.
+    data = Indexed(160 * world.size)
+    runs = {}
+    for precision in ("fp32", "fp16"):
+        cfg = with_precision(growing_config(max_micro_batch=0), precision)
+        result = hvdtrain.fit(world, mlp(seed=3), None, data, cfg, loss_fn=recording_loss([]))
+        runs[precision] = result
+    grew = {p: [r["new"] for r in res.history if r.get("event") == "batch"] for p, res in runs.items()}
+    assert grew["fp16"] and grew["fp16"][-1] > 4 * world.size
+    g2 = {p: [r["g2"] for r in adaptive_records(res.history) if r["g2"]] for p, res in runs.items()}
+    assert g2["fp16"] and g2["fp32"]
+    assert g2["fp16"][-1] == pytest.approx(g2["fp32"][-1], rel=0.05)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_adaptive_grows_and_retries_an_oom_like_unsharded(world, stage):
+    # The same schedule with and without sharding: the batch grows at the same steps, the injected
+    # OOM is retried at half the micro-batch, and the weights agree (a ring's summation order is the
+    # only difference: rtol 1e-5).
+    data = Indexed(160 * world.size)
+    runs = {}
+    for zero in (0, stage):
+        cfg = growing_config(batch_size=8, max_micro_batch=0, oom_above=4, oom_rank=world.size - 1, oom_step=3)
+        cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, zero_stage=zero))
+        model = mlp(seed=5)
+        result = hvdtrain.fit(world, model, None, data, cfg, loss_fn=recording_loss([]))
+        runs[zero] = (model, result)
+    schedule = {z: [(r["step"], r["m"], r["k"], r["B"], r["ooms"]) for r in adaptive_records(res.history)]
+                for z, (_, res) in runs.items()}
+    assert schedule[stage] == schedule[0]
+    assert schedule[0][-1][3] > schedule[0][0][3] and schedule[0][-1][4] >= 1  # grew, and an OOM was retried
+    torch.testing.assert_close(flat_params(runs[stage][0]), flat_params(runs[0][0]), rtol=1e-5, atol=1e-6)

@@ -119,6 +119,11 @@ def test_memory_config_allows_stages_0_to_3_only():
         build(overrides=["memory.zero_stage=3"])
     with pytest.raises(ConfigError, match=r"comm.error_feedback cannot be combined with memory.zero_stage=3"):
         build(overrides=["memory.zero_stage=3", "train.on_oom=stop", "comm.error_feedback=true"])
+    with pytest.raises(ConfigError, match=r"adaptive.enabled cannot be combined with memory.zero_stage=3"):
+        build(overrides=["memory.zero_stage=3", "train.on_oom=stop", "adaptive.enabled=true"])
+    assert build(overrides=["memory.zero_stage=2", "adaptive.enabled=true", "memory.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"memory.zero_stage=2 cannot be combined with elastic.enabled=true"):
+        build(overrides=["memory.zero_stage=2", "elastic.enabled=true"])
     with pytest.raises(ConfigError, match=r"memory.zero3_prefetch=-1 must be >= 0"):
         MemoryConfig(zero3_prefetch=-1)
     assert dataclasses.asdict(Config())["memory"]["zero_stage"] == 0
