@@ -193,11 +193,7 @@ class ZeroReducer(HookedBuckets):
         self._ready = [0] * len(self.buckets)
         self._launched.clear()
         self._armed = True
-        local = torch.stack([_grad(s).double().pow(2).sum() for s in self.shards]).sum()
-        # inf/nan anywhere makes the global sum non-finite on every rank: one verdict for all.
-        total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
-        self.grad_norm = total[0].sqrt()
-        finite = bool(torch.isfinite(self.grad_norm))
+        finite = self._agree_on_norm()
         if finite:  # not applied: the residuals the step started from are still owed
             for b, (compensated, wire) in self._compensated.items():
                 sent = wire.sent if isinstance(wire, Pending) else wire
@@ -212,11 +208,7 @@ class ZeroReducer(HookedBuckets):
 
     def step(self) -> None:
         """Clip by the global norm, update this rank's slices, allgather them. All ranks must call."""
-        if self.clip > 0:
-            coef = float(torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
-            for s in self.shards:
-                _grad(s).mul_(coef)
-        self.shard_opt.step()
+        self._update_shards()
         handles: dict[int, Any] = {}
         for b, shard in enumerate(self.shards):
             handles[b] = self.world.allgather_async(shard, name=f"hvdtrain.zero.params.{b}")
@@ -224,6 +216,22 @@ class ZeroReducer(HookedBuckets):
                 self._copy_gathered(handles, min(handles))
         for b in sorted(handles):
             self._copy_gathered(handles, b)
+
+    def _update_shards(self) -> None:
+        """Clip the slices' gradients by the global norm and step this rank's slices."""
+        if self.clip > 0:
+            coef = float(torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
+            for s in self.shards:
+                _grad(s).mul_(coef)
+        self.shard_opt.step()
+
+    def _agree_on_norm(self) -> bool:
+        """The global gradient norm from one scalar allreduce of the slices' squared norms; True if
+        finite (inf/NaN anywhere makes the sum non-finite on every rank: one verdict for all)."""
+        local = torch.stack([_grad(s).double().pow(2).sum() for s in self.shards]).sum()
+        total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
+        self.grad_norm = total[0].sqrt()
+        return bool(torch.isfinite(self.grad_norm))
 
     def _copy_gathered(self, handles: dict[int, Any], b: int) -> None:
         self.flat[b].copy_(self.world.wait(handles.pop(b)))

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from hvdtrain.comm.compression import reducescatter_finish, reducescatter_launch
-from hvdtrain.comm.zero import ZeroReducer, _grad
+from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.errors import ConfigError
 from hvdtrain.world import World
 
@@ -279,18 +279,11 @@ class Zero3Reducer(ZeroReducer):
         for s in self.shards:
             if s.grad is None:
                 s.grad = torch.zeros_like(s)
-        local = torch.stack([_grad(s).double().pow(2).sum() for s in self.shards]).sum()
-        total = self.world.allreduce(local.reshape(1), name="hvdtrain.zero.norm", op="sum")
-        self.grad_norm = total[0].sqrt()
-        return bool(torch.isfinite(self.grad_norm))
+        return self._agree_on_norm()
 
     def step(self) -> None:
         """Clip by the global norm and update this rank's slices; the next forward gathers them."""
-        if self.clip > 0:
-            coef = float(torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
-            for s in self.shards:
-                _grad(s).mul_(coef)
-        self.shard_opt.step()
+        self._update_shards()
 
     # ---- whole parameters ----
 
