@@ -182,10 +182,6 @@ def check_combinations(c: Any) -> None:
         # Its micro-batch can change at any step, so nothing can be loaded ahead in another process.
         raise ConfigError(f"data.num_workers={c.data.num_workers} cannot be combined with adaptive.enabled=true "
                           "(the batch shape changes between steps); use data.num_workers=0")
-    if c.memory.zero_stage == 3 and c.train.on_oom == "retry":
-        # A rank out of memory mid-step would leave its peers waiting in the next unit's allgather.
-        raise ConfigError("memory.zero_stage=3 cannot be combined with train.on_oom=retry (the default); set "
-                          "train.on_oom=stop")
     if c.memory.zero_stage == 3 and c.comm.error_feedback:
         # Each micro-batch reduce-scatters on its own: there is no one residual per step to carry.
         raise ConfigError("comm.error_feedback cannot be combined with memory.zero_stage=3; turn it off")

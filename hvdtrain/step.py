@@ -148,8 +148,10 @@ def train_step(model: nn.Module, optimizer: Any, reducer: HookedBuckets, micro_b
     try:
         for j, batch in enumerate(micro_batches):
             beat(f"forward/backward of micro-batch {j} (loss_fn)", False)
+            # Armed first: a fault the hooks raise at the micro-batch's start (an injected OOM) finds
+            # the reducer already counting this micro-batch (ZeRO-3's replay needs to know which).
+            reducer.arm(last_micro_batch=j == len(micro_batches) - 1, left=len(micro_batches) - 1 - j)
             hooks.micro_batch_begins(j)
-            reducer.arm(last_micro_batch=j == len(micro_batches) - 1)
             batch = to_device(batch, device)
             with precision.forward():
                 loss, batch_sums = checked(loss_fn(model, batch), training=True)

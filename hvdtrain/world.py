@@ -164,6 +164,10 @@ class World:
         """Complete an asynchronous collective and return its result."""
         return _horovod().synchronize(handle)
 
+    def done(self, handle: Any) -> bool:
+        """True once an asynchronous collective has completed (`wait` then returns at once)."""
+        return bool(_horovod().poll(handle))
+
     def broadcast(self, tensor: torch.Tensor, name: str, root: int = 0) -> torch.Tensor:
         """Rank `root`'s tensor on every rank (one collective; broadcast_object takes two and a
         pickle). All ranks must call with the same shape and dtype."""

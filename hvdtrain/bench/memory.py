@@ -85,7 +85,7 @@ class _Runner:
 
         v = parse_variant(variant)
         self.world, self.task, self.variant = world, task, variant
-        # The bench's steps have no OOM retry (train_step without a policy's hooks): stop, as ZeRO-3 needs.
+        # The bench's steps have no OOM retry (train_step without a policy's hooks).
         memory_cfg = dataclasses.replace(cfg.memory, precision=v["precision"], activation_checkpointing=v["ckpt"],
                                          zero_stage=v["zero_stage"], zero3_prefetch=v["prefetch"])
         self.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, on_oom="stop"), memory=memory_cfg)

@@ -53,8 +53,9 @@ class HookedBuckets:
         verdict in (adaptive batch sizing's OOM backstop)."""
         self._held = len(self.buckets) - 1
 
-    def arm(self, last_micro_batch: bool) -> None:
-        """Before each backward: only the last micro-batch of a step launches collectives."""
+    def arm(self, last_micro_batch: bool, left: int = 0) -> None:
+        """Before each micro-batch (`left` more follow it in this step): only the last micro-batch of
+        a step launches collectives."""
         self._armed = last_micro_batch
 
     def _on_grad(self, p: torch.Tensor) -> None:

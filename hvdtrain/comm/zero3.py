@@ -29,6 +29,7 @@ units): a unit gathered on one rank only leaves the others waiting.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import time
@@ -118,6 +119,11 @@ class Zero3Reducer(ZeroReducer):
         self._gathers: dict[int, Any] = {}  # parameter allgathers in flight
         self._gathered: set[int] = set()
         self._reduced: set[int] = set()  # units reduce-scattered in this micro-batch
+        # Collectives issued in this micro-batch by (kind, unit), and those of the first micro-batch:
+        # what a rank that ran out of memory mid-step still owes its peers (`_replay`).
+        self._issued: collections.Counter = collections.Counter()
+        self._per_micro_batch: dict[tuple[str, int], int] = {}
+        self._left = 0  # micro-batches after this one in the step
         self._armed = True
         self._backward = False  # a backward is running (recomputation's forwards must not free)
         self._pinned = 0  # inside full_parameters(): nothing is freed
@@ -141,6 +147,7 @@ class Zero3Reducer(ZeroReducer):
         if u in self._gathered or u in self._gathers:
             return
         self._gathers[u] = self.world.allgather_async(self.shards[u].detach(), name=f"hvdtrain.zero3.params.{u}")
+        self._issued[("params", u)] += 1
         self._note_peak()
 
     def _ensure(self, u: int) -> None:
@@ -220,10 +227,11 @@ class Zero3Reducer(ZeroReducer):
 
     # ---- gradients ----
 
-    def arm(self, last_micro_batch: bool) -> None:
+    def arm(self, last_micro_batch: bool, left: int = 0) -> None:
         """Before each micro-batch: the previous one's units still owed a reduce-scatter get it now."""
         if self._backward or self._reduced:
             self._end_micro_batch()
+        self._left = left
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u = self._bucket_of[id(p)]
@@ -247,6 +255,7 @@ class Zero3Reducer(ZeroReducer):
         while len(self._pending) >= _WINDOW:
             self._finish(min(self._pending))
         self._pending[u], _ = reducescatter_launch(self.world, self.codec.name, flat, f"hvdtrain.zero3.grad.{u}")
+        self._issued[("grad", u)] += 1
         self._reduced.add(u)
         if not self._pinned:
             self._release(u)
@@ -265,12 +274,72 @@ class Zero3Reducer(ZeroReducer):
             self._release(u)
         if not self._recorded and self._order["backward"]:
             self._recorded = True
+            self._per_micro_batch = dict(self._issued)
+        self._issued = collections.Counter()
         self._reduced.clear()
         self._ready = [0] * len(self.buckets)
         self._backward = False
 
     def launch_rest(self, fill: float | None = None) -> None:
-        self._end_micro_batch(fill)
+        """With `fill` (this rank ran out of memory mid-step): join every collective the other ranks
+        still issue in this step, sending `fill` (NaN), so that theirs complete and every rank's
+        average is non-finite."""
+        if fill is None:
+            self._end_micro_batch()
+        else:
+            self._replay(fill)
+
+    def _owed(self) -> collections.Counter:
+        """The collectives (kind, unit) the other ranks still issue in this step: the rest of this
+        micro-batch's and all of the `_left` that follow. Each micro-batch issues the same ones, as
+        recorded on the first; before that, the plain count: every unit gathered for forward and
+        backward (the root once) and reduce-scattered once."""
+        per = self._per_micro_batch or collections.Counter(
+            {**{("params", u): 1 if u == self._root else 2 for u in range(len(self.buckets))},
+             **{("grad", u): 1 for u in range(len(self.buckets))}})
+        return collections.Counter({key: n * self._left + max(0, n - self._issued[key]) for key, n in per.items()})
+
+    def _replay(self, fill: float) -> None:
+        """Issue what `_owed` lists, keeping one instance of each name in flight and starting the next
+        as soon as it completes: the others issue them in their own order, and each of theirs waits
+        at most for the one before it under that name, which this rank has already issued."""
+        owed = self._owed()
+        flight: dict[tuple[str, int], Any] = {("params", u): h for u, h in self._gathers.items()}
+        flight.update({("grad", u): p for u, p in self._pending.items()})
+        self._gathers, self._pending = {}, {}
+        while flight or +owed:
+            for key in [k for k, n in owed.items() if n > 0 and k not in flight]:
+                owed[key] -= 1
+                flight[key] = self._launch_owed(key, fill)
+            finished = [k for k, h in flight.items() if self.world.done(h if k[0] == "params" else h[1])]
+            for key in finished:
+                handle = flight.pop(key)
+                self.world.wait(handle) if key[0] == "params" else reducescatter_finish(self.world, handle)
+            if not finished:
+                time.sleep(0.0005)
+        self._after_replay(fill)
+
+    def _launch_owed(self, key: tuple[str, int], fill: float) -> Any:
+        kind, u = key
+        if kind == "params":
+            return self.world.allgather_async(self.shards[u].detach(), name=f"hvdtrain.zero3.params.{u}")
+        nan = torch.full((self.buckets[u]["numel"],), fill, device=self.shards[u].device)
+        return reducescatter_launch(self.world, self.codec.name, nan, f"hvdtrain.zero3.grad.{u}")[0]
+
+    def _after_replay(self, fill: float) -> None:
+        for u in list(self._gathered):
+            self._release(u)
+        for shard in self.shards:  # this rank's own verdict: not finite, like everyone's average
+            shard.grad = torch.full_like(shard, fill)
+        for bucket in self.buckets:
+            for _, p in bucket["params"]:
+                p.grad = None
+        if not self._recorded:  # the order this attempt began to record is cut short: record again
+            self._order = {"forward": [], "backward": []}
+        self._issued = collections.Counter()
+        self._reduced = set(range(len(self.buckets)))  # nothing more this step
+        self._ready = [0] * len(self.buckets)
+        self._backward = False
 
     def _synchronize(self) -> bool:
         self._end_micro_batch()

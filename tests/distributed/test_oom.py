@@ -24,10 +24,12 @@ def oom_events(history):
     return [(r["step"], r["micro_batch"], r["accumulation"]) for r in history if r.get("event") == "oom"]
 
 
-@pytest.mark.parametrize("phase, zero", [("forward", 0), ("backward", 0), ("backward", 1), ("backward", 2)])
+@pytest.mark.parametrize("phase, zero", [("forward", 0), ("backward", 0), ("backward", 1), ("backward", 2),
+                                         ("forward", 3), ("backward", 3)])
 def test_oom_on_one_rank_at_step_k_retries_and_ends_with_the_same_weights(world, phase, zero):
     # ZeRO 1 and 2 too: the NaN the failed attempt sent must not outlive it (stage 1 reuses its
-    # gradient buffers, padding included).
+    # gradient buffers, padding included). Under ZeRO-3 the failed rank also joins the allgathers of
+    # the units it never reached, or its peers would wait in them for ever.
     oom_step = 3
     injected = fixed_config(oom_above=4, oom_rank=world.size - 1, oom_step=oom_step, oom_in=phase)
     injected = dataclasses.replace(injected, memory=dataclasses.replace(injected.memory, zero_stage=zero))

@@ -16,7 +16,7 @@ LR = {"sgd": 0.05, "adam": 1e-2, "adamw": 1e-2}
 
 
 def config(stage, optim="adam", clip=0.0, precision="fp32", checkpointing=False, units="", prefetch=1, **train):
-    cfg = small_config(**{"epochs": 1, "on_oom": "stop", **train})
+    cfg = small_config(**{"epochs": 1, **train})
     return dataclasses.replace(
         cfg, memory=MemoryConfig(zero_stage=stage, precision=precision, activation_checkpointing=checkpointing,
                                  zero3_units=units, zero3_prefetch=prefetch),
@@ -224,3 +224,24 @@ def test_fp16_overflow_skips_on_every_rank_and_backs_off_the_scale(world):
     assert result.skipped > 0 and result.step > result.skipped
     assert world.allgather_object(result.skipped, name="t.zero3.fp16.skips") == [result.skipped] * world.size
     assert torch.isfinite(flat_params(model)).all()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_zero3_oom_in_the_first_of_two_micro_batches_is_retried_on_every_rank(world, phase):
+    # The failed rank still owes the rest of this micro-batch and all of the next one: every unit's
+    # allgathers (forward and backward, prefetched or not on its peers) and reduce-scatters.
+    from hvdtrain.config import FaultsConfig
+
+    base = config(3, "sgd", accumulation=2, batch_size=8, epochs=2)
+    injected = dataclasses.replace(base, faults=FaultsConfig(oom_above=4, oom_rank=world.size - 1, oom_step=2,
+                                                             oom_in=phase))
+    model, reference = UserModel(), UserModel()
+    reference.load_state_dict(model.state_dict())
+    result = train(world, dataclasses.replace(injected, memory=dataclasses.replace(injected.memory,
+                                                                                  zero3_units="Layer")), model)
+    expected = train(world, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero3_units="Layer")),
+                     reference)
+    assert [(r["step"], r["micro_batch"], r["accumulation"]) for r in result.history
+            if r.get("event") == "oom"] == [(3, 4, 4)]
+    assert result.step == expected.step and result.skipped == 0
+    torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=1e-5, atol=1e-6)
