@@ -136,6 +136,22 @@ def test_worker_lost_and_back_trains_every_sample_once_and_matches_undisturbed(t
     assert abs(accuracy - ref_accuracy) <= 0.005, (accuracy, ref_accuracy)
 
 
+def test_codec_error_feedback_and_checkpointing_survive_worker_lost_and_back(tmp_path):
+    # The pairs elastic x {fp16 compression, error feedback, activation checkpointing}: each new world
+    # rebuilds the reducer (the residuals of the old world are dropped with it) and the wrapped blocks
+    # are kept; every step still trains on every sample of its global batch once.
+    output, trace, accuracy = _disturbed_run(tmp_path, "comm.compression=fp16", "comm.error_feedback=true",
+                                             "memory.activation_checkpointing=true")
+    sizes = [trace[s]["world_size"] for s in sorted(trace)]
+    assert sorted(trace) == list(range(1, len(trace) + 1))
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, _spans(sizes)
+    for step, record in trace.items():
+        flat = [i for share in record["ranks"] for i in share]
+        assert len(flat) == len(set(flat)) == 96, step
+    assert "skipped on every rank" not in untag(output)
+    assert accuracy >= 0.9, accuracy
+
+
 def _epochs(order: list[int]) -> list[list[int]]:
     """Cut the samples in the order trained into passes: a pass ends where a sample comes again."""
     passes: list[list[int]] = [[]]
