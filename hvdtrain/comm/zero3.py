@@ -383,10 +383,12 @@ class Zero3Reducer(ZeroReducer):
         return FullModelState(model, self)
 
     def broadcast_initial(self, model: nn.Module) -> None:
-        """The parameters were broadcast from rank 0 when they were cut; only buffers are left."""
-        buffers = dict(model.named_buffers())
-        if buffers:
-            self.world.broadcast_parameters(buffers)
+        """The trainable parameters were broadcast from rank 0 when they were cut; buffers and frozen
+        parameters (never cut) are left."""
+        rest = {**dict(model.named_buffers()),
+                **{name: p for name, p in model.named_parameters() if not p.requires_grad}}
+        if rest:
+            self.world.broadcast_parameters(rest)
 
     def unshard(self) -> None:
         """Gather every unit for good and detach the hooks: the model is a plain, whole model again."""

@@ -245,3 +245,16 @@ def test_zero3_oom_in_the_first_of_two_micro_batches_is_retried_on_every_rank(wo
             if r.get("event") == "oom"] == [(3, 4, 4)]
     assert result.step == expected.step and result.skipped == 0
     torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_zero3_leaves_frozen_parameters_whole_and_equal_on_every_rank(world):
+    # A frozen layer is not cut (nothing updates it); rank 0's copy still reaches every rank.
+    torch.manual_seed(world.rank)  # other initial weights on every rank
+    model = UserModel()
+    model.extra.fc.requires_grad_(False)
+    frozen = model.extra.fc.weight
+    train(world, config(3, "adam", units="Layer"), model)
+    every = world.allgather_object((frozen.detach().clone(), flat_params(model)), name="t.zero3.frozen")
+    assert all(torch.equal(every[0][0], f) and torch.equal(every[0][1], p) for f, p in every)
+    torch.manual_seed(0)
+    assert torch.equal(frozen.detach(), UserModel().extra.fc.weight.detach())  # rank 0's, untrained
