@@ -26,10 +26,9 @@ from torch.utils.data import Dataset
 
 from hvdtrain.activations import checkpoint_blocks
 from hvdtrain.checkpoint import Checkpointer
+from hvdtrain.comm.build import make_reducer
 from hvdtrain.comm.compression import AutoSelect, FixedCodec, codec_choice
-from hvdtrain.comm.reducer import GradReducer, HookedBuckets
-from hvdtrain.comm.zero import ZeroReducer
-from hvdtrain.comm.zero3 import Zero3Reducer
+from hvdtrain.comm.reducer import HookedBuckets
 from hvdtrain.common import batch_len, num_samples, seed_everything, to_device
 from hvdtrain.config import Config
 from hvdtrain.data import ShardedBatchSampler, eval_loader, loader_options
@@ -147,7 +146,7 @@ class _Run:
         injector.attach(model)
         cleanup.callback(injector.detach)
         codecs = codec_choice(world, cfg.comm.compression, cfg.comm.auto_steps)
-        reducer = _reducer(world, model, cfg, codecs.initial)
+        reducer = make_reducer(world, model, cfg, codecs.initial)
         cleanup.callback(reducer.remove)
         optimizer = optimizer or build_optimizer(model, cfg.optim)
         stepped, clip = reducer.prepare_optimizer(optimizer, cfg.optim.clip_grad_norm)
@@ -167,16 +166,6 @@ class _Run:
         return cls(world, cfg, model, stepped, clip, reducer, codecs, sampler, policy, precision, loss_fn, eval_set,
                    session, Checkpointer(cfg.checkpoint, world), memprof, watchdog,
                    StepFlags(world, lambda: stop.requested), injector)
-
-
-def _reducer(world: World, model: nn.Module, cfg: Config, codec: str) -> HookedBuckets:
-    if cfg.memory.zero_stage == 3:
-        return Zero3Reducer(world, model, cfg.memory.zero3_units, codec, cfg.comm.bucket_mb, cfg.comm.error_feedback,
-                            cfg.optim.clip_grad_norm, cfg.memory.zero3_prefetch)
-    if cfg.memory.zero_stage:
-        return ZeroReducer(world, model.named_parameters(), cfg.memory.zero_stage, codec, cfg.comm.bucket_mb,
-                           cfg.comm.error_feedback, cfg.optim.clip_grad_norm)
-    return GradReducer(world, model.named_parameters(), codec, cfg.comm.bucket_mb, cfg.comm.error_feedback)
 
 
 def _policy(world: World, cfg: Config, model: nn.Module, optimizer: Any, reducer: HookedBuckets,

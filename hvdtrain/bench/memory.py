@@ -77,9 +77,7 @@ class _Runner:
 
     def __init__(self, world: Any, cfg: Any, task: Any, initial: dict, variant: str) -> None:
         from hvdtrain.activations import checkpoint_blocks
-        from hvdtrain.comm.reducer import GradReducer, HookedBuckets
-        from hvdtrain.comm.zero import ZeroReducer
-        from hvdtrain.comm.zero3 import Zero3Reducer
+        from hvdtrain.comm.build import make_reducer
         from hvdtrain.optim import build_optimizer
         from hvdtrain.precision import Precision
 
@@ -94,16 +92,7 @@ class _Runner:
         self.model.to(world.device)
         if v["ckpt"]:
             checkpoint_blocks(self.model)
-        comm, mem = cfg.comm, self.cfg.memory
-        self.reducer: HookedBuckets
-        if mem.zero_stage == 3:
-            self.reducer = Zero3Reducer(world, self.model, mem.zero3_units, comm.compression,
-                                        prefetch=mem.zero3_prefetch)
-        elif mem.zero_stage:
-            self.reducer = ZeroReducer(world, self.model.named_parameters(), mem.zero_stage, comm.compression,
-                                       comm.bucket_mb)
-        else:
-            self.reducer = GradReducer(world, self.model.named_parameters(), comm.compression, comm.bucket_mb)
+        self.reducer = make_reducer(world, self.model, self.cfg)
         self.optimizer: Any
         self.optimizer, self.clip = self.reducer.prepare_optimizer(build_optimizer(self.model, cfg.optim),
                                                                    cfg.optim.clip_grad_norm)

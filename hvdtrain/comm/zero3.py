@@ -85,13 +85,10 @@ class Zero3Reducer(ZeroReducer):
     interface of ZeroReducer, plus `full_parameters` (every bucket gathered, for evaluation and
     whole-model state) and `unshard` (the end of training: the model keeps its full weights)."""
 
-    def __init__(self, world: World, model: nn.Module, units: str = "", codec: str = "none",
-                 bucket_mb: float = 25.0, error_feedback: bool = False, clip: float = 0.0,
+    def __init__(self, world: World, model: nn.Module, units: str = "", codec: str = "none", clip: float = 0.0,
                  prefetch: int = 1) -> None:
-        if error_feedback:
-            raise ConfigError("comm.error_feedback cannot be combined with memory.zero_stage=3 (each micro-batch "
-                              "reduce-scatters on its own, so no one residual per step exists); turn it off")
-        del bucket_mb  # a unit is one bucket: the units set the granularity
+        # Error feedback is refused by the config: each micro-batch reduce-scatters on its own, so no
+        # one residual per step exists; `residuals` stays empty (the interface's codec state).
         self.world, self.stage, self.clip, self.error_feedback = world, 3, clip, False
         self.prefetch = max(0, prefetch)
         self.set_codec(codec)
@@ -107,10 +104,8 @@ class Zero3Reducer(ZeroReducer):
             self.shards.append(self._mine(flat).clone())
             _free(flat)
             self.flat.append(flat)
-        self.full_grads = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.residuals: dict[int, torch.Tensor] = {}
-        self._compensated: dict[int, tuple[torch.Tensor, Any]] = {}
         self.grad_norm = torch.zeros(())
         self._bucket_of = {id(p): u for u, b in enumerate(self.buckets) for _, p in b["params"]}
         self._bucket_len = [len(b["params"]) for b in self.buckets]
@@ -124,7 +119,6 @@ class Zero3Reducer(ZeroReducer):
         self._issued: collections.Counter = collections.Counter()
         self._per_micro_batch: dict[tuple[str, int], int] = {}
         self._left = 0  # micro-batches after this one in the step
-        self._armed = True
         self._backward = False  # a backward is running (recomputation's forwards must not free)
         self._pinned = 0  # inside full_parameters(): nothing is freed
         self._order: dict[str, list[int]] = {"forward": [], "backward": []}

@@ -31,9 +31,8 @@ def _unsharded_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps; bytes per category on the largest rank, peak RSS. All ranks call."""
-    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.comm.build import make_reducer
     from hvdtrain.comm.zero import ZeroReducer
-    from hvdtrain.comm.zero3 import Zero3Reducer
     from hvdtrain.common import to_device
     from hvdtrain.data import ShardedBatchSampler, train_loader
     from hvdtrain.optim import build_optimizer
@@ -46,14 +45,8 @@ def measure(world: World, cfg: Any, stage: int, optimizer_name: str, steps: int)
     batches = [b for b, _ in zip(train_loader(task.train_set, sampler), range(max(1, steps)))]
     rss_built = proc_status()["VmRSS"]  # the model and data are built; no gradient or state yet
     reset_peak_rss()
-    reducer: ZeroReducer | GradReducer
-    if stage == 3:
-        reducer = Zero3Reducer(world, model, cfg.memory.zero3_units, cfg.comm.compression,
-                               prefetch=cfg.memory.zero3_prefetch)
-    elif stage:
-        reducer = ZeroReducer(world, model.named_parameters(), stage, cfg.comm.compression, cfg.comm.bucket_mb)
-    else:
-        reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
+    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, zero_stage=stage))
+    reducer = make_reducer(world, model, cfg)
     optimizer, _ = reducer.prepare_optimizer(build_optimizer(model, cfg.optim), 0.0)
     times = []
     for i, batch in enumerate(batches):

@@ -1,0 +1,26 @@
+"""The reducer a config asks for: the one place that maps `memory.zero_stage` and `comm` to a
+reducer, for the training loop and the tools that step a model the same way (bench memory, plan
+--measure)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hvdtrain.comm.reducer import GradReducer, HookedBuckets
+from hvdtrain.comm.zero import ZeroReducer
+from hvdtrain.comm.zero3 import Zero3Reducer
+from hvdtrain.config import Config
+from hvdtrain.world import World
+
+
+def make_reducer(world: World, model: nn.Module, cfg: Config, codec: str | None = None) -> HookedBuckets:
+    """A reducer over `model`'s trainable parameters for `cfg` (`codec`: the starting gradient codec,
+    default `comm.compression`). All ranks must call (ZeRO-3 broadcasts rank 0's weights)."""
+    codec = codec or cfg.comm.compression
+    comm, mem, clip = cfg.comm, cfg.memory, cfg.optim.clip_grad_norm
+    if mem.zero_stage == 3:
+        return Zero3Reducer(world, model, mem.zero3_units, codec, clip=clip, prefetch=mem.zero3_prefetch)
+    if mem.zero_stage:
+        return ZeroReducer(world, model.named_parameters(), mem.zero_stage, codec, comm.bucket_mb,
+                           comm.error_feedback, clip)
+    return GradReducer(world, model.named_parameters(), codec, comm.bucket_mb, comm.error_feedback)
