@@ -30,6 +30,7 @@ from hvdtrain.config_features import (  # noqa: F401 - re-exported: import secti
     ElasticConfig,
     FaultsConfig,
     MemoryConfig,
+    ParallelConfig,
     _at_least,
     _choice,
     check_combinations,
@@ -245,6 +246,7 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _choice("config", "task", self.task, TASKS)

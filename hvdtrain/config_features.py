@@ -157,6 +157,38 @@ class ElasticConfig:
         _at_least("elastic", "commit_every", self.commit_every, 1)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Pipeline model parallelism (docs/pipeline.md): N ranks = S stages of the model's layers x D
+    replicas; MPI controller only."""
+
+    pipeline_stages: int = 1  # S; 1 = data parallel only
+    schedule: str = "1f1b"  # 1f1b (at most S micro-batches' activations alive per stage) | gpipe (all m)
+    balance: str = "params"  # cut by parameter count, or "3,5": layers per stage
+
+    def __post_init__(self) -> None:
+        _at_least("parallel", "pipeline_stages", self.pipeline_stages, 1)
+        _choice("parallel", "schedule", self.schedule, ("1f1b", "gpipe"))
+        if self.balance != "params":
+            counts = [t.strip() for t in self.balance.split(",")]
+            if len(counts) != self.pipeline_stages or not all(t.isdigit() and int(t) > 0 for t in counts):
+                raise ConfigError(f"parallel.balance={self.balance!r} is not allowed; choose params or "
+                                  f"{self.pipeline_stages} positive layer counts, one per stage (e.g. "
+                                  f"\"{','.join(['2'] * self.pipeline_stages)}\")")
+
+
+# Features a pipeline run does not have yet, each with the reason (checked when pipeline_stages > 1).
+_NOT_WITH_PIPELINE = (
+    ("elastic.enabled", lambda c: c.elastic.enabled, "a new world would need a new cut of the model"),
+    ("adaptive.enabled", lambda c: c.adaptive.enabled, "its probe and batch changes assume one model per rank"),
+    ("memory.zero_stage", lambda c: c.memory.zero_stage, "ZeRO shards a stage's parameters among its replicas, "
+     "and tied parameters across the first and last stage are summed outside the shards"),
+    ("train.on_oom=retry", lambda c: c.train.on_oom == "retry", "a stage out of memory mid-schedule cannot send its "
+     "neighbours what they wait for; set train.on_oom=stop"),
+    ("comm.compression=auto", lambda c: c.comm.compression == "auto", "pick fp16, bf16 or none"),
+)
+
+
 def check_combinations(c: Any) -> None:
     """Settings that are valid alone but not together, refused before any rank starts."""
     per_rank = c.train.batch_size * c.train.accumulation
@@ -187,3 +219,13 @@ def check_combinations(c: Any) -> None:
         raise ConfigError("comm.error_feedback cannot be combined with memory.zero_stage=3; turn it off")
     if c.memory.trace_steps and not c.log.dir:
         raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
+    _check_pipeline(c)
+
+
+def _check_pipeline(c: Any) -> None:
+    if c.parallel.pipeline_stages == 1:
+        return
+    for name, used, why in _NOT_WITH_PIPELINE:
+        if used(c):
+            raise ConfigError(f"{name} cannot be combined with parallel.pipeline_stages="
+                              f"{c.parallel.pipeline_stages} yet: {why}")

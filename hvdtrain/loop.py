@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,9 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     `optimizer` is built for one rank's batch (None: built from `cfg.optim`); its lr is scaled by
     `cfg.optim.lr_scaling`. `loss_fn(model, batch)` returns (mean loss, {metric: batch sum}).
     With `cfg.elastic.enabled`, workers may leave and join (hvdtrain/elastic.py runs `fit_once` in
-    each world).
+    each world). With `cfg.parallel.pipeline_stages` S > 1 (world made by `World.init(groups=True)`,
+    MPI controller), each rank trains one stage of `model`'s layers and frees the others' weights:
+    afterwards `model` holds this rank's stage only (the checkpoint holds every stage).
     """
     cfg = cfg or Config()
     if cfg.elastic.enabled:
@@ -92,20 +95,49 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
         return fit_elastic(world, model, optimizer, train_set, cfg, eval_set, loss_fn, fit_once)
     tc = cfg.train
-    sampler = ShardedBatchSampler(num_samples(train_set), world, tc.batch_size, tc.accumulation, cfg.seed,
-                                  tc.shuffle, variable=cfg.adaptive.enabled)
-    return fit_once(world, model, optimizer, train_set, cfg, eval_set, loss_fn, sampler, Session())
+    with contextlib.ExitStack() as groups:
+        split = _split(world, model, cfg, groups)
+        sampler = ShardedBatchSampler(num_samples(train_set), split.data, tc.batch_size, tc.accumulation, cfg.seed,
+                                      tc.shuffle, variable=cfg.adaptive.enabled)
+        return fit_once(world, split.module, optimizer, train_set, cfg, eval_set, loss_fn, sampler, Session(), split)
+
+
+@dataclass
+class Split:
+    """How the model is split over the world: `module`, what this rank trains; `data`, the ranks
+    that share its batches and average its gradients; the step and the evaluation that run it; and
+    `parts`, its parts of the registry. Data parallel: the whole model on every rank."""
+
+    module: nn.Module
+    data: World
+    train_step: Callable[..., Outcome] = train_step
+    evaluate: Callable[..., dict[str, float]] = evaluate
+    parts: Callable[[Any, Any], tuple[dict[str, Any], dict[str, Any]]] = \
+        lambda model, optimizer: ({"model": model, "optimizer": optimizer}, {})
+
+
+def _split(world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack) -> Split:
+    if cfg.parallel.pipeline_stages == 1:
+        return Split(model, world)
+    # Imported here: mpi4py and the schedule load only for pipeline runs.
+    from hvdtrain.parallel.pipeline import Pipeline
+
+    pipe = Pipeline.build(world, model, cfg, cleanup)
+    return Split(pipe.stage, pipe.data, pipe.train_step, pipe.evaluate,
+                 lambda m, o: ({}, {"stage": pipe.stage_state(m, o)}))
 
 
 def fit_once(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
              cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, sampler: ShardedBatchSampler,
-             session: Session) -> FitResult:
-    """One run in one world (an elastic run makes one per world, with its own session). All ranks call."""
+             session: Session, split: Split | None = None) -> FitResult:
+    """One run in one world (an elastic run makes one per world, with its own session). All ranks call.
+    `split` (from `fit`): the part of the model this rank trains; None: all of it."""
     seed_everything(cfg.seed + world.rank)
     # Undone on every exit path, an exception too: hooks left behind would launch collectives on the
     # user's next backward, and an elastic world's parts must leave the registry before the next world.
     with contextlib.ExitStack() as cleanup:
-        return _train(_Run.build(world, model, optimizer, train_set, cfg, eval_set, loss_fn, sampler, session, cleanup))
+        return _train(_Run.build(world, model, optimizer, train_set, cfg, eval_set, loss_fn, sampler, session, cleanup,
+                                 split or Split(model, world)))
 
 
 @dataclass
@@ -113,6 +145,7 @@ class _Run:
     """What one call of the loop works with, built once per world."""
 
     world: World
+    split: Split
     cfg: Config
     model: nn.Module
     optimizer: Any  # a torch optimizer, or ZeRO's sharded one
@@ -134,7 +167,7 @@ class _Run:
     @classmethod
     def build(cls, world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
               cfg: Config, eval_set: Dataset | None, loss_fn: LossFn, sampler: ShardedBatchSampler,
-              session: Session, cleanup: contextlib.ExitStack) -> _Run:
+              session: Session, cleanup: contextlib.ExitStack, split: Split) -> _Run:
         """Make every part of the run; `cleanup` undoes what each one hooks, in reverse order."""
         cleanup.callback(session.end)
         model.to(world.device)
@@ -145,17 +178,19 @@ class _Run:
         injector = FaultInjector(cfg.faults, world.rank)
         injector.attach(model)
         cleanup.callback(injector.detach)
-        codecs = codec_choice(world, cfg.comm.compression, cfg.comm.auto_steps)
-        reducer = make_reducer(world, model, cfg, codecs.initial)
+        codecs = codec_choice(split.data, cfg.comm.compression, cfg.comm.auto_steps)
+        reducer = make_reducer(split.data, model, cfg, codecs.initial)
         cleanup.callback(reducer.remove)
-        optimizer = optimizer or build_optimizer(model, cfg.optim)
+        optimizer = _own_part(optimizer, model) if optimizer is not None else build_optimizer(model, cfg.optim)
         stepped, clip = reducer.prepare_optimizer(optimizer, cfg.optim.clip_grad_norm)
         precision = Precision.from_config(cfg.memory, world.device)
         policy = _policy(world, cfg, model, stepped, reducer, sampler, train_set, loss_fn, injector, precision)
         cleanup.callback(policy.close)
         registry = session.registry  # the one list of what a checkpoint saves and an elastic commit keeps
-        registry.add_all({"model": reducer.model_part(model), "optimizer": OptimizerState(stepped), "sampler": sampler,
-                          **policy.parts()})
+        shared, per_rank = split.parts(reducer.model_part(model), OptimizerState(stepped))
+        registry.add_all({**shared, "sampler": sampler, **policy.parts()})
+        for name, part in per_rank.items():
+            registry.add_per_rank(name, part)
         registry.add("precision", precision, optional=True)
         registry.add_per_rank("reducer", reducer)
         registry.add_per_rank("rng", RngState(world))
@@ -163,9 +198,19 @@ class _Run:
         cleanup.callback(memprof.close)
         watchdog = Watchdog(world.rank, cfg.train.stall_timeout)
         cleanup.callback(watchdog.stop)
-        return cls(world, cfg, model, stepped, clip, reducer, codecs, sampler, policy, precision, loss_fn, eval_set,
-                   session, Checkpointer(cfg.checkpoint, world), memprof, watchdog,
+        return cls(world, split, cfg, model, stepped, clip, reducer, codecs, sampler, policy, precision, loss_fn,
+                   eval_set, session, Checkpointer(cfg.checkpoint, world), memprof, watchdog,
                    StepFlags(world, lambda: stop.requested), injector)
+
+
+def _own_part(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer, or (when `model` is this rank's pipeline stage) one of its class over the
+    stage's parameters only, with the same groups and settings (its state is still empty here)."""
+    mine = {id(p) for p in model.parameters()}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in optimizer.param_groups]
+    if all(len(g["params"]) == len(o["params"]) for g, o in zip(groups, optimizer.param_groups)):
+        return optimizer
+    return type(optimizer)([g for g in groups if g["params"]], **optimizer.defaults)
 
 
 def _policy(world: World, cfg: Config, model: nn.Module, optimizer: Any, reducer: HookedBuckets,
@@ -243,7 +288,7 @@ def _evaluate_and_save(r: _Run, log: TrainLog, result: FitResult, step: int, epo
         # The micro-batch in force fits with a backward (an adaptive run's grows from a start that
         # can be 30x smaller than the user's batch).
         with r.reducer.full_parameters():
-            result.eval = evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch, loader)
+            result.eval = r.split.evaluate(r.world, r.model, r.eval_set, r.loss_fn, r.sampler.micro_batch, loader)
         log.evaluated(step, epoch, tc.epochs, result.eval)
     if r.ckpt.due(step, end_of_epoch, done):
         registry = r.session.registry
@@ -276,8 +321,9 @@ def _step(r: _Run, micro_batches: list[Any], sums: MetricSums, step: int) -> boo
 
     r.injector.begin_step(step)
     while True:
-        outcome = train_step(r.model, r.optimizer, r.reducer, micro_batches, r.loss_fn, sums, r.clip, r.world.device,
-                             beat, r.sampler.global_batch / r.world.size, r.precision, r.policy.hooks, r.flags)
+        outcome = r.split.train_step(r.model, r.optimizer, r.reducer, micro_batches, r.loss_fn, sums, r.clip,
+                                     r.world.device, beat, r.sampler.global_batch / r.split.data.size, r.precision,
+                                     r.policy.hooks, r.flags)
         if outcome is not Outcome.RETRY:
             return outcome is Outcome.STEPPED
         if r.flags.local_oom:  # the rank to look at, in the cluster's logs

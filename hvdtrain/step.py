@@ -85,6 +85,17 @@ class StepFlags:
         """This rank ran out of memory in the last attempt."""
         return self._local[1]
 
+    def settle(self, values: list[float]) -> list[float]:
+        """Agree at once, instead of start/collect: the stop flag and `values` (each summed over
+        all ranks) in one blocking allreduce; sets `stop` (and `oom` False) and returns the sums.
+        All ranks must call with as many values."""
+        local = [float(self.stop_requested()), *values]
+        total = self.world.allreduce(torch.tensor(local, dtype=torch.float64), name=self.NAME + ".settle",
+                                     op="sum") if self.world.size > 1 else torch.tensor(local, dtype=torch.float64)
+        self.stop, self.oom = bool(total[0] > 0.5), False
+        self._local = (bool(local[0]), False)
+        return [float(v) for v in total[1:]]
+
     def collect(self) -> None:
         """After the bucket wait (by then the fused round is done): set `stop` and `oom`."""
         if self._handle is None:

@@ -143,12 +143,40 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Where pipeline stages may cut it (hvdtrain/parallel/partition.py): embeddings, each block,
+        head. The first and last share the tied embedding weight."""
+        return [_Embed(self), *self.blocks, _Head(self)]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class _Embed(nn.Module):
+    """GPT's token and position embeddings: the first layer of its pipeline cut."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.tok, self.pos, self.drop = gpt.tok, gpt.pos, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class _Head(nn.Module):
+    """GPT's final norm and the output projection (its weight is the token embedding's)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
 
 

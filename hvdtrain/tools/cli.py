@@ -129,7 +129,7 @@ def train(cfg: Config) -> int:
     from hvdtrain.loop import fit
     from hvdtrain.world import World
 
-    world = World.init()
+    world = World.init(groups=cfg.parallel.pipeline_stages > 1)  # a pipeline's stages are process sets
     task = build_task(cfg)
     result = fit(world, task.model, None, task.train_set, cfg, eval_set=task.eval_set, loss_fn=task.loss_fn)
     if cfg.elastic.enabled:
