@@ -24,7 +24,7 @@ def world():
     is shut down when the session ends, so no background thread outlives the tests."""
     from hvdtrain.world import World
 
-    # HVDTRAIN_TEST_GROUPS=1 (tests/integration/test_pipeline.py): process sets, for pipeline stages.
+    # HVDTRAIN_TEST_GROUPS=1 (tests/integration/test_pipeline_runs.py): process sets, for pipeline stages.
     w = World.init(threads=1 if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ else None,
                    groups=os.environ.get("HVDTRAIN_TEST_GROUPS") == "1")
     yield w

@@ -13,6 +13,7 @@ CUDA-aware MPI).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class Link:
         self._headers: set[tuple[int, int, int, str]] = set()
         self._shapes: dict[tuple[int, int, int, str], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []  # requests and the buffers they read
+        self.wait_s = 0.0  # seconds spent blocked in receives: the stage's idle time (bench pipeline)
 
     def send(self, tensor: torch.Tensor, peer: int, kind: int, n: int, j: int, phase: str) -> None:
         """Start sending micro-batch j's (size n) `tensor` to `peer`; `drain` completes it."""
@@ -70,7 +72,9 @@ class Link:
             self._shapes[key] = (DTYPES[int(header[0])], tuple(int(d) for d in header[1:]))
         dtype, shape = self._shapes[key]
         out = torch.empty(shape, dtype=dtype)
+        started = time.perf_counter()
         self.comm.Recv([_bytes(out), _mpi_byte()], source=peer, tag=_tag(j, kind))
+        self.wait_s += time.perf_counter() - started
         return out.to(self.device, non_blocking=True)
 
     def drain(self) -> None:

@@ -130,6 +130,66 @@ class ActivationMeter:
             h.remove()
 
 
+class _Saved:
+    """A tensor saved for backward, as `LiveActivations` holds it: its storage is counted until
+    autograd lets go of it (after the backward that used it)."""
+
+    __slots__ = ("tensor", "_meter", "_ptr")
+
+    def __init__(self, meter: LiveActivations, tensor: torch.Tensor, ptr: int) -> None:
+        self.tensor, self._meter, self._ptr = tensor, meter, ptr
+
+    def __del__(self) -> None:
+        self._meter.release(self._ptr)
+
+
+class LiveActivations:
+    """Peak bytes of activations alive at once: storages saved for backward (weights excluded) from
+    when a forward saves them until the backward that used them has run. With a pipeline schedule
+    several micro-batches' activations are alive together; ActivationMeter counts one micro-batch."""
+
+    def __init__(self, weights: Iterable[torch.Tensor]) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in weights}
+        self._alive: dict[int, list[int]] = {}  # storage -> [bytes, saved references]
+        self.current = self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        ptr = s.data_ptr()
+        if ptr in self._exclude:
+            return t
+        entry = self._alive.setdefault(ptr, [s.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Saved(self, t, ptr)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def release(self, ptr: int) -> None:
+        entry = self._alive.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._alive[ptr]
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        self.peak = self.current
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+
 class MemoryProfiler:
     """`memory.profile` and `memory.trace_steps`. `step(n)` wraps one training step; `finish` must be
     called by all ranks at the end (one named allreduce for the table)."""

@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "train": ("hvdtrain.bench.train", "the same training run with hvdtrain, hand-written Horovod and DDP"),
     "memory": ("hvdtrain.bench.memory", "step time and memory per precision / activation-checkpointing variant"),
     "adaptive": ("hvdtrain.bench.adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
+    "pipeline": ("hvdtrain.bench.pipeline", "pipeline stages vs data parallelism: step time, bubble, memory"),
 }
 
 

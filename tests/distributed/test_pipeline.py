@@ -1,6 +1,6 @@
 """Pipeline stages (parallel.pipeline_stages=2) against plain single-process PyTorch, at S=2 x D
 replicas for any even world size. Needs Horovod's MPI controller and a world made with
-World.init(groups=True): tests/integration/test_pipeline.py runs this file so, at 2 and 4 ranks.
+World.init(groups=True): tests/integration/test_pipeline_runs.py runs this file so, at 2 and 4 ranks.
 Under Gloo only the refusal runs."""
 
 import dataclasses

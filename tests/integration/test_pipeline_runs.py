@@ -47,3 +47,22 @@ def test_cli_refuses_pipeline_stages_under_gloo(tmp_path):
                      controller="gloo", timeout=120, check=False)
     assert res.returncode != 0
     assert "parallel.pipeline_stages=2 needs Horovod's MPI controller" in res.stdout + (res.stderr or "")
+
+
+def test_bench_pipeline_measures_memory_that_matches_the_schedule():
+    import json
+
+    out = horovodrun([CLI, "bench", "pipeline", "--task", "pylm", "--set", "model.preset=tiny", "--set",
+                      "data.max_bytes=60000", "--set", "train.batch_size=4", "--variants", "1x2,2x2,2x4",
+                      "--steps", "2", "--warmup", "1", "--rounds", "1"], controller="mpi", timeout=180).stdout
+    records = {r["variant"]: r for r in (json.loads(line.split("<stdout>:", 1)[1]) for line in out.splitlines()
+                                         if '"bench": "pipeline"' in line)}
+    assert sorted(records) == ["1x2", "2x2", "2x4"]
+    one, two = records["1x2"], records["2x4"]
+    assert one["param_bytes_max"] == one["param_bytes_formula"] and one["idle_share_max"] == 0.0
+    # Half the weights per stage, plus the tied embedding the last stage holds too.
+    assert two["param_bytes_formula"] < two["param_bytes_max"] < one["param_bytes_max"]
+    # 1F1B: stage 0 keeps two micro-batches' activations alive, stage 1 one; measured = formula.
+    for r in records.values():
+        assert r["activation_bytes_by_rank"] == r["activation_bytes_formula_by_rank"], r
+    assert 0 < two["idle_share_max"] < 1 and two["bubble_formula"] == 0.2
