@@ -14,6 +14,7 @@ from hvdtrain.config import (
     MemoryConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     TrainConfig,
 )
 from hvdtrain.errors import HvdtrainError
@@ -23,5 +24,5 @@ from hvdtrain.world import World
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointConfig", "CommConfig", "Config", "DataConfig", "FitResult", "HvdtrainError", "LogConfig", "MemoryConfig",
-    "ModelConfig", "OptimConfig", "TrainConfig", "World", "checkpoint_modules", "evaluate", "fit",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "World", "checkpoint_modules", "evaluate", "fit",
 ]

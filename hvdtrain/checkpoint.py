@@ -105,7 +105,9 @@ class Checkpointer:
         the previous checkpoint as `latest` and no temp folder; then `checkpoint.on_error` decides,
         on every rank alike: stop raises CheckpointError, warn returns None and training goes on."""
         assert self.dir is not None
-        ranks = self.world.allgather_object(rank_state or {}, name="hvdtrain.ckpt.ranks")
+        # To rank 0 only: per-rank state can be large (ZeRO shards, pipeline stages), and no other
+        # rank needs the others'.
+        ranks = self.world.gather_object(rank_state or {}, name="hvdtrain.ckpt.ranks")
         final, error = self.dir / f"step_{step:08d}", ""
         if self.world.is_root:
             try:

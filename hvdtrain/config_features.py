@@ -164,15 +164,17 @@ class ParallelConfig:
 
     pipeline_stages: int = 1  # S; 1 = data parallel only
     schedule: str = "1f1b"  # 1f1b (at most S micro-batches' activations alive per stage) | gpipe (all m)
-    balance: str = "params"  # cut by parameter count, or "3,5": layers per stage
+    # cut by parameter count, by forward+backward time per layer (measured on rank 0 on the first
+    # micro-batch before training), or "3,5": layers per stage
+    balance: str = "params"
 
     def __post_init__(self) -> None:
         _at_least("parallel", "pipeline_stages", self.pipeline_stages, 1)
         _choice("parallel", "schedule", self.schedule, ("1f1b", "gpipe"))
-        if self.balance != "params":
+        if self.balance not in ("params", "time"):
             counts = [t.strip() for t in self.balance.split(",")]
             if len(counts) != self.pipeline_stages or not all(t.isdigit() and int(t) > 0 for t in counts):
-                raise ConfigError(f"parallel.balance={self.balance!r} is not allowed; choose params or "
+                raise ConfigError(f"parallel.balance={self.balance!r} is not allowed; choose params, time, or "
                                   f"{self.pipeline_stages} positive layer counts, one per stage (e.g. "
                                   f"\"{','.join(['2'] * self.pipeline_stages)}\")")
 

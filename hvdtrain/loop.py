@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from hvdtrain.activations import checkpoint_blocks
 from hvdtrain.checkpoint import Checkpointer
@@ -96,7 +96,7 @@ def fit(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         return fit_elastic(world, model, optimizer, train_set, cfg, eval_set, loss_fn, fit_once)
     tc = cfg.train
     with contextlib.ExitStack() as groups:
-        split = _split(world, model, cfg, groups)
+        split = _split(world, model, cfg, groups, lambda: (_first_micro_batch(train_set, tc.batch_size), loss_fn))
         sampler = ShardedBatchSampler(num_samples(train_set), split.data, tc.batch_size, tc.accumulation, cfg.seed,
                                       tc.shuffle, variable=cfg.adaptive.enabled)
         return fit_once(world, split.module, optimizer, train_set, cfg, eval_set, loss_fn, sampler, Session(), split)
@@ -116,13 +116,14 @@ class Split:
         lambda model, optimizer: ({"model": model, "optimizer": optimizer}, {})
 
 
-def _split(world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack) -> Split:
+def _split(world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack,
+           sample: Callable[[], tuple[Any, LossFn]]) -> Split:
     if cfg.parallel.pipeline_stages == 1:
         return Split(model, world)
     # Imported here: mpi4py and the schedule load only for pipeline runs.
     from hvdtrain.parallel.pipeline import Pipeline
 
-    pipe = Pipeline.build(world, model, cfg, cleanup)
+    pipe = Pipeline.build(world, model, cfg, cleanup, sample)
     return Split(pipe.stage, pipe.data, pipe.train_step, pipe.evaluate,
                  lambda m, o: ({}, {"stage": pipe.stage_state(m, o)}))
 
@@ -201,6 +202,10 @@ class _Run:
         return cls(world, split, cfg, model, stepped, clip, reducer, codecs, sampler, policy, precision, loss_fn,
                    eval_set, session, Checkpointer(cfg.checkpoint, world), memprof, watchdog,
                    StepFlags(world, lambda: stop.requested), injector)
+
+
+def _first_micro_batch(dataset: Dataset, size: int) -> Any:
+    return default_collate([dataset[i] for i in range(min(size, num_samples(dataset)))])
 
 
 def _own_part(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:

@@ -231,6 +231,18 @@ class World:
         blobs = self.allgather(data, name=name).split(sizes)
         return [pickle.loads(b.numpy().tobytes()) for b in blobs]
 
+    def gather_object(self, obj: Any, name: str, root: int = 0) -> list[Any] | None:
+        """Every rank's object, in rank order, on rank `root` only (None on the others): one alltoall
+        in which each rank sends its pickle to `root` alone, so no rank but `root` ever holds the
+        others' objects (allgather_object copies them all to every rank). All ranks must call."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        splits = torch.zeros(self.size, dtype=torch.int32)
+        splits[root] = data.numel()
+        received, sizes = _horovod().alltoall(data, splits=splits, name=name, process_set=self._set())
+        if self.rank != root:
+            return None
+        return [pickle.loads(b.numpy().tobytes()) for b in received.split(sizes.tolist())]
+
     def broadcast_parameters(self, params: Mapping[str, torch.Tensor], root: int = 0) -> None:
         """Overwrite tensors in place with rank `root`'s values. All ranks must call."""
         if self._process_set is None:

@@ -8,6 +8,7 @@ blocks and its head.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from hvdtrain.errors import ConfigError
 
-BALANCES = ("params",)
+BALANCES = ("params", "time")
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -30,11 +31,16 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
                           "or give the model a pipeline_layers() method that returns its layers in forward order")
     if not all(isinstance(layer, nn.Module) for layer in layers):
         raise ConfigError(f"{type(model).__name__}.pipeline_layers() must return nn.Module objects")
+    covered = {id(p) for layer in layers for p in layer.parameters()}
+    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ConfigError(f"parameter {missing[0]} of {type(model).__name__} is in none of its pipeline layers, so "
+                          "no stage would train it: include its module in pipeline_layers()")
     return layers
 
 
 def parse_balance(text: str, stages: int) -> tuple[int, ...] | None:
-    """`"3,5"` -> layers per stage; "params" -> None. ConfigError names parallel.balance."""
+    """`"3,5"` -> layers per stage; "params"/"time" -> None. ConfigError names parallel.balance."""
     if text in BALANCES:
         return None
     try:
@@ -42,7 +48,7 @@ def parse_balance(text: str, stages: int) -> tuple[int, ...] | None:
     except ValueError:
         counts = ()
     if len(counts) != stages or min(counts, default=0) < 1:
-        raise ConfigError(f"parallel.balance={text!r} must be params or {stages} positive layer counts "
+        raise ConfigError(f"parallel.balance={text!r} must be params, time, or {stages} positive layer counts "
                           f"(one per stage), e.g. \"{','.join(['2'] * stages)}\"")
     return counts
 
@@ -73,8 +79,31 @@ def split(weights: Sequence[float], stages: int) -> list[int]:
     return bounds[::-1]
 
 
-def boundaries(layers: Sequence[nn.Module], stages: int, balance: str) -> list[int]:
-    """Stage boundaries by `balance`: parameter counts, or a list of layers per stage."""
+def layer_times(layers: Sequence[nn.Module], x: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of forward plus backward of each layer on input `x` (one micro-batch), the median of
+    `repeats`, each layer fed the previous one's output. Leaves no gradients behind."""
+    times = []
+    for layer in layers:
+        runs = []
+        for _ in range(repeats):
+            xin = x.detach().requires_grad_(x.is_floating_point())
+            started = time.perf_counter()
+            out = layer(xin)
+            out.backward(torch.ones_like(out))
+            if out.device.type == "cuda":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - started)
+        times.append(sorted(runs)[len(runs) // 2])
+        x = out.detach()
+        for p in layer.parameters():
+            p.grad = None
+    return times
+
+
+def boundaries(layers: Sequence[nn.Module], stages: int, balance: str,
+               times: Sequence[float] | None = None) -> list[int]:
+    """Stage boundaries by `balance`: parameter counts, measured `times` per layer
+    (`layer_times`, the same on every rank), or a list of layers per stage."""
     counts = parse_balance(balance, stages)
     if counts is not None:
         if sum(counts) != len(layers):
@@ -84,6 +113,10 @@ def boundaries(layers: Sequence[nn.Module], stages: int, balance: str) -> list[i
         for c in counts:
             out.append(out[-1] + c)
         return out
+    if balance == "time":
+        if times is None or len(times) != len(layers):
+            raise ValueError("parallel.balance=time needs one measured time per layer")
+        return split(times, stages)
     return split([sum(p.numel() for p in layer.parameters()) for layer in layers], stages)
 
 

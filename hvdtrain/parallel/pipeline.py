@@ -33,7 +33,7 @@ from hvdtrain.errors import CheckpointError, ConfigError
 from hvdtrain.metrics import MetricSums
 from hvdtrain.parallel.layout import Layout
 from hvdtrain.parallel.p2p import Link, mpi_comm
-from hvdtrain.parallel.partition import Stage, boundaries, pipeline_layers, shared_parameters
+from hvdtrain.parallel.partition import Stage, boundaries, layer_times, pipeline_layers, shared_parameters
 from hvdtrain.parallel.schedule import actions
 from hvdtrain.precision import Precision
 from hvdtrain.step import NO_HOOKS, LossFn, Outcome, StepFlags, StepHooks, checked
@@ -115,10 +115,12 @@ class Pipeline:
         self.busy_s = 0.0
 
     @classmethod
-    def build(cls, world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack) -> Pipeline:
+    def build(cls, world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack,
+              sample: Callable[[], tuple[Any, LossFn]] | None = None) -> Pipeline:
         """Cut `model` (the same on every rank) and keep this rank's stage; the other stages'
         parameters are freed here, so `model` afterwards holds only this rank's layers. All ranks
-        must call together; `cleanup` removes the process sets and the MPI communicator."""
+        must call together; `cleanup` removes the process sets and the MPI communicator.
+        `sample()`: one micro-batch and the loss_fn, for parallel.balance=time."""
         pc = cfg.parallel
         if world.controller != "mpi":
             raise ConfigError(f"parallel.pipeline_stages={pc.pipeline_stages} needs Horovod's MPI controller "
@@ -126,7 +128,8 @@ class Pipeline:
                               "point-to-point messages, which Gloo does not offer")
         layout = Layout.of(pc.pipeline_stages, world.size)
         layers = pipeline_layers(model)
-        bounds = boundaries(layers, layout.stages, pc.balance)
+        times = _agreed_times(world, layers, sample) if pc.balance == "time" else None
+        bounds = boundaries(layers, layout.stages, pc.balance, times)
         index = layout.stage(world.rank)
         shared = shared_parameters(layers, bounds)
         odd = [stages for stages in shared.values() if stages != {0, layout.stages - 1}]
@@ -141,7 +144,10 @@ class Pipeline:
         ends = world.group(layout.ends()) if shared else None
         if ends is not None and ends is not world:
             cleanup.callback(ends.leave)
-        tied = [p for p in stage.parameters() if id(p) in shared]
+        # In the whole model's order on both ends: their allreduces pair up by name.
+        mine = {id(p) for p in stage.parameters()}
+        order = {id(p): p for layer in layers for p in layer.parameters() if id(p) in shared and id(p) in mine}
+        tied = list(order.values())
         comm = mpi_comm()
         link = Link(comm, world.device)
         cleanup.callback(link.free)
@@ -290,6 +296,36 @@ class Pipeline:
 
     def stage_state(self, model_part: Any, optimizer_part: Any) -> StageState:
         return StageState(self.layout, self.world.rank, model_part, optimizer_part)
+
+
+class _Input(nn.Module):
+    """What `loss_fn` calls as the model to hand over its inputs (balance=time measures on them)."""
+
+    def forward(self, x: Any) -> Any:
+        raise _Captured(x)
+
+
+def _agreed_times(world: World, layers: list[nn.Module], sample: Callable[[], tuple[Any, LossFn]] | None
+                  ) -> list[float]:
+    """Rank 0's forward+backward seconds per layer on one micro-batch, on every rank: timings differ
+    between ranks, and every rank must cut the model the same way. All ranks call."""
+    times: list[float] | str = []
+    if world.is_root:
+        try:
+            if sample is None:
+                raise ValueError("no sample micro-batch was given")
+            batch, loss_fn = sample()
+            times = "loss_fn returned without calling the model"
+            loss_fn(_Input(), to_device(batch, world.device))
+        except _Captured as given:
+            times = layer_times([layer.to(world.device) for layer in layers], given.output)
+        except Exception as exc:  # noqa: BLE001 - rank 0 alone failing must stop every rank, not hang them
+            times = f"{type(exc).__name__}: {exc}"
+    times = world.broadcast_object(times, name="hvdtrain.pipe.times")
+    if isinstance(times, str):
+        raise ConfigError(f"parallel.balance=time could not time the layers on rank 0 ({times}); use "
+                          "parallel.balance=params or a list of layers per stage")
+    return list(times)
 
 
 def _squared_norm(params: Any) -> float:

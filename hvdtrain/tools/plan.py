@@ -13,6 +13,8 @@ Time uses the ring model with latency α and bandwidth β per link: allreduce of
 hvdtrain's stage 1 allreduces gradients and allgathers parameters; stage 2 reduce-scatters instead;
 stage 3 reduce-scatters gradients and allgathers every unit twice (forward and backward), α paid per unit.
 `--measure` runs real steps (under horovodrun: every rank) and prints the measured figures beside.
+With `--set parallel.pipeline_stages=S` the record also holds each pipeline stage's memory (its
+share of the layers, replicated on ranks / S replicas; see `pipeline_plan`).
 """
 
 from __future__ import annotations
@@ -121,6 +123,30 @@ def zero3_in_flight(cfg: Any, ranks: int) -> tuple[int, int]:
     return root + sum(sorted(sizes, reverse=True)[:1 + cfg.memory.zero3_prefetch]), len(buckets)
 
 
+def pipeline_plan(cfg: Any, ranks: int, optimizer: str, precision: str) -> dict:
+    """Per-stage memory of the config's built-in model cut into `parallel.pipeline_stages` S stages
+    (the cut training would make; balance=time is planned as params, which needs no timing): each
+    stage's parameters with their gradients and optimizer state, replicated on its D = ranks / S
+    replicas, and how many micro-batches' activations the schedule keeps alive on it (1F1B:
+    min(S - s, m); GPipe: m, for m = train.accumulation)."""
+    from hvdtrain.parallel.layout import Layout
+    from hvdtrain.parallel.partition import boundaries, pipeline_layers
+
+    pc, m = cfg.parallel, cfg.train.accumulation
+    layout = Layout.of(pc.pipeline_stages, ranks)
+    layers = pipeline_layers(_meta_model(cfg))
+    bounds = boundaries(layers, layout.stages, "params" if pc.balance == "time" else pc.balance)
+    stages = []
+    for s in range(layout.stages):
+        params = {id(p): p.numel() for layer in layers[bounds[s]:bounds[s + 1]] for p in layer.parameters()}
+        n = sum(params.values())
+        stages.append({"stage": s, "layers": bounds[s + 1] - bounds[s], "params": n,
+                       "memory": memory(n, layout.replicas, 0, optimizer, precision, cfg.optim.momentum > 0),
+                       "live_micro_batches": m if pc.schedule == "gpipe" else min(layout.stages - s, m)})
+    return {"stages": layout.stages, "replicas": layout.replicas, "schedule": pc.schedule, "per_stage": stages,
+            "bubble": (layout.stages - 1) / (m + layout.stages - 1)}
+
+
 def largest_layers(cfg: Any, budget: float, ranks: int, stage: int, optimizer: str, precision: str) -> dict:
     """The deepest pylm model (model.n_layer, other sizes fixed) whose predicted per-rank model
     state fits in `budget` bytes."""
@@ -208,6 +234,8 @@ def _check_flags(args: argparse.Namespace, cfg: Any, precisions: list[str]) -> N
         raise ConfigError("--bandwidth must be > 0 and --latency >= 0")
     if args.measure and (args.params or precisions != ["fp32"]):
         raise ConfigError("--measure runs a built-in task in fp32: drop --params and use --precision fp32")
+    if args.measure and cfg.parallel.pipeline_stages > 1:
+        raise ConfigError("--measure runs data-parallel steps; measure pipeline stages with hvdtrain bench pipeline")
     if args.budget_gb and cfg.task != "pylm":
         raise ConfigError("--budget-gb searches pylm depths; use --task pylm")
 
@@ -233,6 +261,8 @@ def predict(cfg: Any, params: int, ranks: int, stage: int, optimizer: str, preci
                              link["latency_us"] * 1e-6, cfg.comm.bucket_mb * 2**20, units), "link": link}
     if stage == 3:
         record["in_flight_params"] = in_flight if not given_params else None  # None: no model to take units from
+    if cfg.parallel.pipeline_stages > 1 and not given_params:
+        record["pipeline"] = pipeline_plan(cfg, ranks, optimizer, precision)
     return record
 
 

@@ -12,7 +12,7 @@ from helpers import blobs, flat_params, shared_tmpdir, small_config
 from torch import nn
 
 import hvdtrain
-from hvdtrain.config import CheckpointConfig, ModelConfig, OptimConfig, ParallelConfig
+from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig
 from hvdtrain.errors import ConfigError
 from hvdtrain.parallel.layout import Layout
 from hvdtrain.tasks.models import GPT
@@ -66,11 +66,12 @@ def classify(model, batch):
     return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).sum()}
 
 
-@pytest.mark.parametrize("optim, clip, accumulation, schedule", [
-    ("sgd", 0.0, 1, "1f1b"), ("sgd", 0.0, 4, "1f1b"), ("adam", 0.5, 4, "1f1b"), ("sgd", 0.0, 4, "gpipe")])
-def test_pipeline_matches_single_process_training(pipe_world, optim, clip, accumulation, schedule):
+@pytest.mark.parametrize("optim, clip, accumulation, schedule, balance", [
+    ("sgd", 0.0, 1, "1f1b", "params"), ("sgd", 0.0, 4, "1f1b", "time"), ("adam", 0.5, 4, "1f1b", "params"),
+    ("sgd", 0.0, 4, "gpipe", "5,2")])
+def test_pipeline_matches_single_process_training(pipe_world, optim, clip, accumulation, schedule, balance):
     data = blobs(n=192)
-    cfg = config(pipe_world, optim, clip, accumulation, schedule)
+    cfg = config(pipe_world, optim, clip, accumulation, schedule, balance)
     replicas = pipe_world.size // 2
     ref_model = deep_mlp()
     ref_losses = reference(ref_model, data, cfg, replicas, classify)
@@ -87,6 +88,23 @@ def test_pipeline_matches_single_process_training(pipe_world, optim, clip, accum
     with torch.no_grad():
         ref_eval = F.cross_entropy(ref_model(data.tensors[0]), data.tensors[1]).item()
     assert result.eval["loss"] == pytest.approx(ref_eval, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision, compression, error_feedback, tol", [
+    ("bf16", "none", False, 2e-2), ("fp16", "none", False, 2e-3), ("fp32", "fp16", True, 1e-3),
+    ("fp32", "bf16", False, 1e-2)])
+def test_pipeline_autocast_and_compression_track_fp32(pipe_world, precision, compression, error_feedback, tol):
+    # fp16: the last stage scales the loss, every stage unscales with the same scale; the codecs
+    # compress each stage's gradients among its replicas (at D=1 there is nothing to send).
+    data = blobs(n=192)
+    base = config(pipe_world, "sgd", 0.5, 2)
+    ref_losses = reference(deep_mlp(), data, base, pipe_world.size // 2, classify)
+    cfg = dataclasses.replace(base, memory=MemoryConfig(precision=precision),
+                              comm=CommConfig(compression=compression, error_feedback=error_feedback))
+    result = hvdtrain.fit(pipe_world, deep_mlp(), None, data, cfg, loss_fn=classify)
+    losses = [h["loss"] for h in result.history if "loss" in h][:STEPS]
+    assert result.skipped == 0
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
 
 
 def tiny_gpt(seed=0):

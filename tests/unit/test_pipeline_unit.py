@@ -7,7 +7,7 @@ from torch import nn
 from hvdtrain.config import Config, ModelConfig, ParallelConfig, from_dict
 from hvdtrain.errors import ConfigError
 from hvdtrain.parallel.layout import Layout
-from hvdtrain.parallel.partition import Stage, boundaries, pipeline_layers, shared_parameters, split
+from hvdtrain.parallel.partition import Stage, boundaries, layer_times, pipeline_layers, shared_parameters, split
 from hvdtrain.parallel.schedule import actions, peak_in_flight
 from hvdtrain.tasks.models import GPT
 
@@ -73,9 +73,20 @@ def test_gpt_cuts_into_stages_that_compose_to_its_forward():
     assert boundaries(layers, 2, "1,5") == [0, 1, 6]
 
 
+class Leaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(2, 2), nn.Linear(2, 2), nn.Parameter(torch.ones(2))
+
+    def pipeline_layers(self):
+        return [self.a, self.b]  # forgets `scale`
+
+
 def test_a_model_that_cannot_be_cut_is_named():
     with pytest.raises(ConfigError, match="cannot cut a Linear"):
         pipeline_layers(nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="parameter scale of Leaky is in none of its pipeline layers"):
+        pipeline_layers(Leaky())
 
 
 def test_layout_and_its_errors():
@@ -101,5 +112,24 @@ def test_pipeline_config_refusals_name_the_field(raw, message):
         from_dict(Config, raw)
 
 
-def test_pipeline_config_accepts_a_layer_list():
+def test_pipeline_config_accepts_a_layer_list_and_time():
     assert ParallelConfig(pipeline_stages=2, balance="3,5").balance == "3,5"
+    assert ParallelConfig(pipeline_stages=2, balance="time").balance == "time"
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        import time
+
+        time.sleep(0.02)
+        return x * 1.0
+
+
+def test_balance_by_time_gives_a_slow_layer_a_stage_of_its_own():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), Slow(), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)]
+    times = layer_times(layers, torch.randn(4, 8))
+    assert max(times) == times[1] >= 0.02
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    assert boundaries(layers, 2, "time", times) in ([0, 1, 5], [0, 2, 5])
+    assert boundaries(layers, 3, "time", times)[1:3] in ([1, 2], [2, 3])

@@ -126,3 +126,20 @@ def test_memory_config_allows_stages_0_to_3_only():
     with pytest.raises(ConfigError, match=r"memory.zero3_prefetch=-1 must be >= 0"):
         MemoryConfig(zero3_prefetch=-1)
     assert dataclasses.asdict(Config())["memory"]["zero_stage"] == 0
+
+
+def test_plan_splits_pylm_memory_over_pipeline_stages():
+    from hvdtrain.config import Config, from_dict
+    from hvdtrain.tools.plan import count_model_params, memory, pipeline_plan
+
+    cfg = from_dict(Config, {"task": "pylm", "model": {"preset": "small"},
+                             "train": {"on_oom": "stop", "accumulation": 4}, "parallel": {"pipeline_stages": 2}})
+    planned = pipeline_plan(cfg, 4, "adam", "fp32")
+    assert (planned["stages"], planned["replicas"], planned["bubble"]) == (2, 2, 0.2)
+    stages = planned["per_stage"]
+    # The tied embedding sits on both ends; everything else on exactly one stage.
+    tied = 256 * cfg.model.n_embd
+    assert sum(s["params"] for s in stages) == count_model_params(cfg) + tied
+    whole = memory(count_model_params(cfg), 2, 0, "adam", "fp32")["total"]
+    assert all(s["memory"]["total"] < 0.6 * whole for s in stages)
+    assert [s["live_micro_batches"] for s in stages] == [2, 1]
