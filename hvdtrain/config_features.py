@@ -222,6 +222,17 @@ def check_combinations(c: Any) -> None:
     if c.memory.trace_steps and not c.log.dir:
         raise ConfigError("memory.trace_steps needs log.dir (the trace is written there)")
     _check_pipeline(c)
+    _check_transport(c)
+
+
+def _check_transport(c: Any) -> None:
+    # The direct path relies on the same buckets, launched in the same order, every step.
+    changes = [("memory.zero_stage", c.memory.zero_stage), ("adaptive.enabled", c.adaptive.enabled),
+               ("elastic.enabled", c.elastic.enabled), ("parallel.pipeline_stages", c.parallel.pipeline_stages > 1)]
+    used = [name for name, on in changes if on]
+    if c.comm.transport == "mpi" and used:
+        raise ConfigError(f"comm.transport=mpi cannot be combined with {used[0]} (its bucket layout changes or "
+                          "lives in process sets); use comm.transport=horovod")
 
 
 def _check_pipeline(c: Any) -> None:

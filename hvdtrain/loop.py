@@ -114,6 +114,7 @@ class Split:
     evaluate: Callable[..., dict[str, float]] = evaluate
     parts: Callable[[Any, Any], tuple[dict[str, Any], dict[str, Any]]] = \
         lambda model, optimizer: ({"model": model, "optimizer": optimizer}, {})
+    checkpoint: Callable[[nn.Module], Any] = checkpoint_blocks  # memory.activation_checkpointing
 
 
 def _split(world: World, model: nn.Module, cfg: Config, cleanup: contextlib.ExitStack,
@@ -124,8 +125,9 @@ def _split(world: World, model: nn.Module, cfg: Config, cleanup: contextlib.Exit
     from hvdtrain.parallel.pipeline import Pipeline
 
     pipe = Pipeline.build(world, model, cfg, cleanup, sample)
+    # Its blocks were wrapped for activation checkpointing before the cut (the stage has no `blocks`).
     return Split(pipe.stage, pipe.data, pipe.train_step, pipe.evaluate,
-                 lambda m, o: ({}, {"stage": pipe.stage_state(m, o)}))
+                 lambda m, o: ({}, {"stage": pipe.stage_state(m, o)}), lambda m: None)
 
 
 def fit_once(world: World, model: nn.Module, optimizer: torch.optim.Optimizer | None, train_set: Dataset,
@@ -173,7 +175,7 @@ class _Run:
         cleanup.callback(session.end)
         model.to(world.device)
         if cfg.memory.activation_checkpointing:
-            checkpoint_blocks(model)
+            split.checkpoint(model)
         stop = StopSignals(cfg.train.stop_signals, cfg.train.stop_grace, world.rank)
         cleanup.callback(stop.close)
         injector = FaultInjector(cfg.faults, world.rank)

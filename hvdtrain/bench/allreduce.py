@@ -19,7 +19,7 @@ from hvdtrain.comm.compression import make_codec
 from hvdtrain.common import num_samples
 from hvdtrain.world import World
 
-MODES = ("fp32", "fp16", "bf16", "hvd-fp16")
+MODES = ("fp32", "fp16", "bf16", "hvd-fp16", "fp32-direct")  # fp32-direct: MPI_Iallreduce (comm.transport=mpi)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -53,7 +53,16 @@ def _reducer(world: World, mode: str) -> Callable[[torch.Tensor, str], None]:
         from hvdtrain.bench.baseline import horovod_fp16_allreduce
 
         return horovod_fp16_allreduce
-    codec = make_codec({"fp32": "none"}.get(mode, mode), world)
+    direct = None
+    if mode == "fp32-direct":
+        from hvdtrain.comm.mpi import mpi_comm
+        from hvdtrain.errors import ConfigError
+
+        if world.controller != "mpi":
+            raise ConfigError("--modes fp32-direct needs Horovod's MPI controller (horovodrun --mpi)")
+
+        direct = mpi_comm(world.rank)  # every rank makes it, at the same point
+    codec = make_codec({"fp32": "none", "fp32-direct": "none"}.get(mode, mode), world, direct)
 
     def reduce(x: torch.Tensor, name: str) -> None:
         pending = codec.launch(x, name)

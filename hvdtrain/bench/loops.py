@@ -70,7 +70,7 @@ def hvdtrain_world() -> tuple[Any, Callable[[Any], list[Any]], str]:
 
 
 def hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tensor]:
-    from hvdtrain.comm.reducer import GradReducer
+    from hvdtrain.comm.build import make_reducer
     from hvdtrain.metrics import MetricSums
     from hvdtrain.optim import build_optimizer
     from hvdtrain.step import train_step
@@ -78,7 +78,7 @@ def hvdtrain_step(world: Any, task: Any, cfg: Any) -> Callable[[Any], torch.Tens
     model = task.model
     world.broadcast_parameters(model.state_dict())
     optimizer = build_optimizer(model, cfg.optim)
-    reducer = GradReducer(world, model.named_parameters(), cfg.comm.compression, cfg.comm.bucket_mb)
+    reducer = make_reducer(world, model, cfg)  # the loop's own choice (comm.transport, comm.compression)
     sums = MetricSums()
 
     def step(batch: Any) -> torch.Tensor:

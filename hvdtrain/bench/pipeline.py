@@ -9,6 +9,7 @@ the parameter bytes per rank (largest) beside P/S (a tied weight adds itself to 
 stage), and per rank the peak bytes of activations alive at once beside A_s x min(S - s, M) for
 1F1B at stage s (A_s x M for GPipe; A_s at S=1), where A_s is the stage's activations of one
 micro-batch, measured by a one-micro-batch step. Variants run interleaved, `--rounds` times.
+`--set memory.activation_checkpointing=true` checkpoints the blocks in every variant.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class _Runner:
 
     def __init__(self, world: Any, cfg: Any, task: Any, initial: dict, stages: int, schedule: str,
                  cleanup: contextlib.ExitStack) -> None:
+        from hvdtrain.activations import checkpoint_blocks
         from hvdtrain.comm.build import make_reducer
         from hvdtrain.optim import build_optimizer
         from hvdtrain.parallel.pipeline import Pipeline
@@ -80,6 +82,8 @@ class _Runner:
         self.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, on_oom="stop"), parallel=parallel)
         model = copy.deepcopy(task.model)
         model.load_state_dict(initial)
+        if stages == 1 and cfg.memory.activation_checkpointing:
+            checkpoint_blocks(model)  # Pipeline.build does it for S > 1
         self.pipe = Pipeline.build(world, model, self.cfg, cleanup) if stages > 1 else None
         self.model = (self.pipe.stage if self.pipe else model).to(world.device)
         self.data = self.pipe.data if self.pipe else world

@@ -28,13 +28,15 @@ from typing import Any
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
-CONTROLLERS = ("gloo", "mpi")
+# mpi-direct: hvdtrain under the MPI controller with comm.transport=mpi (fp32 buckets straight to MPI)
+CONTROLLERS = ("gloo", "mpi", "mpi-direct")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default="synthetic,digits,pylm", help="built-in tasks, comma-separated")
     p.add_argument("--np", default="1,2", help="rank counts, comma-separated")
-    p.add_argument("--controllers", default="gloo,mpi", help="Horovod controllers for hvdtrain and horovod")
+    p.add_argument("--controllers", default="gloo,mpi",
+                   help="Horovod controllers for hvdtrain and horovod; mpi-direct: hvdtrain with comm.transport=mpi")
     p.add_argument("--modes", default="hvdtrain,horovod,ddp", help="which ways to run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per launch")
@@ -148,12 +150,19 @@ def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
              plan: dict[str, Any]) -> list[list[str]]:
     worker = ["-m", "hvdtrain.bench.loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
               "--warmup", str(args.warmup)] + [a for kv in args.overrides for a in ("--set", kv)]
+    if ctrl == "mpi-direct":
+        worker += ["--set", "comm.transport=mpi"]
     hosts = plan["hosts"].get(np)
     if mode == "ddp" and hosts:
         return _ddp_over_ssh(hosts, worker, args, plan["env"])
     if mode == "ddp":  # as DDP users launch it
         return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np}", *worker]]
-    return [_horovodrun(ctrl, np, plan) + worker]
+    return [_horovodrun(_controller(ctrl), np, plan) + worker]
+
+
+def _controller(ctrl: str) -> str:
+    """The Horovod controller a way runs under (mpi-direct is MPI's)."""
+    return "mpi" if ctrl == "mpi-direct" else ctrl
 
 
 def _horovodrun(ctrl: str, np: int, plan: dict[str, Any]) -> list[str]:
@@ -186,7 +195,8 @@ def _ddp_over_ssh(hosts: list[Any], worker: list[str], args: argparse.Namespace,
 
 def _ways(plan: dict[str, Any]) -> list[tuple[str, str]]:
     """(mode, controller) pairs; DDP does not use a Horovod controller and runs once per round."""
-    return [(m, c) for m in plan["modes"] if m != "ddp" for c in plan["controllers"]] + \
+    return [(m, c) for m in plan["modes"] if m != "ddp" for c in plan["controllers"]
+            if not (m == "horovod" and c == "mpi-direct")] + \
         [("ddp", "torch") for m in plan["modes"] if m == "ddp"]
 
 
@@ -206,7 +216,7 @@ def _ratios(rec: dict[str, Any], by_key: dict[tuple, dict[str, Any]], rounds: di
     """Ratio of medians to the hand-written Horovod loop (same controller) and to DDP, plus the
     median of per-round ratios (each pair launched back to back, so it cancels slow load drift)."""
     key = (rec["task"], rec["np"])
-    refs = {"horovod": (rec["mode"] != "horovod" and rec["mode"] != "ddp", "horovod", rec["controller"]),
+    refs = {"horovod": (rec["mode"] != "horovod" and rec["mode"] != "ddp", "horovod", _controller(rec["controller"])),
             "ddp": (rec["mode"] != "ddp", "ddp", "torch")}
     for name, (wanted, mode, ctrl) in refs.items():
         ref = by_key.get((*key, mode, ctrl))
@@ -293,8 +303,10 @@ def run(args: argparse.Namespace) -> int:
         results += task_results
         links = {}
         if max(plan["np"]) > 1 and 1 in plan["np"]:  # the model needs a 1-rank step to predict from
-            for ctrl in plan["controllers"]:
+            for ctrl in {_controller(c) for c in plan["controllers"]}:
                 links[ctrl] = _ring_probe(task, max(plan["np"]), ctrl, task_results[0]["params"], plan, args)
+            if "mpi-direct" in plan["controllers"]:
+                links["mpi-direct"] = links["mpi"]
         for rec in scaling_records(task, task_results, links):
             _emit(rec)
             scaling.append(rec)

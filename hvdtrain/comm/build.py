@@ -4,12 +4,15 @@ reducer, for the training loop and the tools that step a model the same way (ben
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from hvdtrain.comm.reducer import GradReducer, HookedBuckets
 from hvdtrain.comm.zero import ZeroReducer
 from hvdtrain.comm.zero3 import Zero3Reducer
 from hvdtrain.config import Config
+from hvdtrain.errors import ConfigError
 from hvdtrain.world import World
 
 
@@ -23,4 +26,21 @@ def make_reducer(world: World, model: nn.Module, cfg: Config, codec: str | None 
     if mem.zero_stage:
         return ZeroReducer(world, model.named_parameters(), mem.zero_stage, codec, comm.bucket_mb,
                            comm.error_feedback, clip)
-    return GradReducer(world, model.named_parameters(), codec, comm.bucket_mb, comm.error_feedback)
+    return GradReducer(world, model.named_parameters(), codec, comm.bucket_mb, comm.error_feedback,
+                       _direct(world, model, comm.transport))
+
+
+def _direct(world: World, model: nn.Module, transport: str) -> Any:
+    """comm.transport=mpi: the MPI communicator for the direct path; None for Horovod's. The checks
+    give every rank the same answer (controller and device are alike across ranks)."""
+    if transport != "mpi" or world.size == 1:
+        return None
+    if world.controller != "mpi" or world.members:
+        raise ConfigError("comm.transport=mpi needs Horovod's MPI controller over the whole world (horovodrun "
+                          "--mpi or hvdtrain launch); use comm.transport=horovod")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ConfigError("comm.transport=mpi reduces CPU tensors only (no CUDA-aware MPI here); use "
+                          "comm.transport=horovod on GPUs")
+    from hvdtrain.comm.mpi import mpi_comm
+
+    return mpi_comm(world.rank)

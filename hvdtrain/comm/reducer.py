@@ -41,10 +41,13 @@ class HookedBuckets:
     _armed: bool
     _held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
     sync_s: float = 0.0  # seconds spent in `synchronize`, since the reducer was made
+    _direct: Any = None  # comm.transport=mpi: the MPI communicator fp32 buckets go over
+    _next = 0  # ordered codecs: the bucket to launch next this step
+    _complete: set[int] = set()  # ordered codecs: buckets complete but held until those before have gone
 
     def set_codec(self, name: str) -> None:
         """Switch codec between steps (all ranks together); residuals of the old codec are dropped."""
-        self.codec = make_codec(name, self.world)
+        self.codec = make_codec(name, self.world, self._direct)
         self.residuals = {}
 
     def hold_last_bucket(self) -> None:
@@ -64,7 +67,14 @@ class HookedBuckets:
         b = self._bucket_of[id(p)]
         self._ready[b] += 1
         if self._ready[b] == self._bucket_len[b] and b != self._held:
-            self._launch(b)
+            if not self.codec.ordered:
+                self._launch(b)
+                return
+            # Without negotiation, every rank must start the same collective next: bucket order.
+            self._complete = self._complete | {b}
+            while self._next in self._complete:
+                self._launch(self._next)
+                self._next += 1
 
     def _launch(self, b: int) -> None:
         raise NotImplementedError
@@ -139,9 +149,9 @@ class GradReducer(HookedBuckets):
     ranks after the last micro-batch's backward of every optimizer step."""
 
     def __init__(self, world: World, named_parameters: Iterable[tuple[str, nn.Parameter]], codec: str = "none",
-                 bucket_mb: float = 25.0, error_feedback: bool = False) -> None:
-        self.world = world
-        self.codec: Codec = make_codec(codec, world)
+                 bucket_mb: float = 25.0, error_feedback: bool = False, direct: Any = None) -> None:
+        self.world, self._direct = world, direct
+        self.codec: Codec = make_codec(codec, world, direct)
         self.error_feedback = error_feedback
         seen: set[int] = set()
         params: list[torch.Tensor] = []
@@ -243,6 +253,7 @@ class GradReducer(HookedBuckets):
         self._settle_residuals(ok)
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
+        self._next, self._complete = 0, set()
         self._armed = True
         return ok
 
@@ -291,6 +302,9 @@ class GradReducer(HookedBuckets):
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+        if self._direct is not None:
+            self._direct.Free()
+            self._direct = None
 
 
 def all_finite(flats: list[torch.Tensor]) -> bool:

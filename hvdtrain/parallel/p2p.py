@@ -1,8 +1,6 @@
-"""Activations and their gradients between neighbouring stages: MPI point-to-point through mpi4py.
-
-Horovod's collectives run on its own duplicate of MPI_COMM_WORLD from its background thread (MPI
-initialised with MPI_THREAD_MULTIPLE); these messages go on another duplicate, from the training
-thread, so the two never match each other's messages. Gloo has no point-to-point, hence MPI only.
+"""Activations and their gradients between neighbouring stages: MPI point-to-point through mpi4py,
+on a duplicate of MPI_COMM_WORLD beside Horovod's (hvdtrain/comm/mpi.py). Gloo has no
+point-to-point, hence MPI only.
 
 Shapes are agreed once: the first message for a micro-batch size carries a small header (dtype
 and shape) ahead of its data; both sides know every micro-batch's size (each stage loads the same
@@ -18,25 +16,12 @@ from typing import Any
 
 import torch
 
-from hvdtrain.errors import EnvironmentProblem
+from hvdtrain.comm.mpi import mpi
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # A tag is 4 x micro-batch + kind (0: activation, 1: gradient); a header's is 2 + kind. Messages of
 # one source and tag arrive in order (MPI's non-overtaking rule), so j wraps around safely.
 _WRAP = 4096
-
-
-def mpi_comm() -> Any:
-    """A duplicate of MPI_COMM_WORLD for pipeline traffic. Call after Horovod's MPI is up."""
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise EnvironmentProblem("pipeline stages need mpi4py (pip install mpi4py, built against the same MPI "
-                                 "as Horovod)") from None
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        raise EnvironmentProblem("pipeline stages need MPI_THREAD_MULTIPLE (Horovod's background thread and the "
-                                 f"training thread both call MPI); this MPI gave level {MPI.Query_thread()}")
-    return MPI.COMM_WORLD.Dup()
 
 
 class Link:
@@ -58,6 +43,9 @@ class Link:
             self._headers.add(key)
             header = torch.tensor([DTYPES.index(buf.dtype), *buf.shape], dtype=torch.int64)
             self.comm.Send([header.numpy(), header.numel(), _mpi_int64()], dest=peer, tag=2 + kind)
+        # Finished sends let go of their buffers now, not at the end of the step: a stage's input
+        # gradients would otherwise pile up, one per micro-batch.
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
         req = self.comm.Isend([_bytes(buf), _mpi_byte()], dest=peer, tag=_tag(j, kind))
         self._sends.append((req, buf))
 
@@ -97,18 +85,12 @@ def _bytes(t: torch.Tensor) -> Any:
 
 
 def _mpi_byte() -> Any:
-    from mpi4py import MPI
-
-    return MPI.BYTE
+    return mpi().BYTE
 
 
 def _mpi_int64() -> Any:
-    from mpi4py import MPI
-
-    return MPI.INT64_T
+    return mpi().INT64_T
 
 
 def _status() -> Any:
-    from mpi4py import MPI
-
-    return MPI.Status()
+    return mpi().Status()

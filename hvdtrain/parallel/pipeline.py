@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from hvdtrain.activations import checkpoint_blocks
+from hvdtrain.comm.mpi import mpi_comm
 from hvdtrain.comm.reducer import HookedBuckets
 from hvdtrain.common import batch_len, to_device
 from hvdtrain.config import Config
@@ -32,7 +34,7 @@ from hvdtrain.data import eval_loader
 from hvdtrain.errors import CheckpointError, ConfigError
 from hvdtrain.metrics import MetricSums
 from hvdtrain.parallel.layout import Layout
-from hvdtrain.parallel.p2p import Link, mpi_comm
+from hvdtrain.parallel.p2p import Link
 from hvdtrain.parallel.partition import Stage, boundaries, layer_times, pipeline_layers, shared_parameters
 from hvdtrain.parallel.schedule import actions
 from hvdtrain.precision import Precision
@@ -127,6 +129,8 @@ class Pipeline:
                               "(horovodrun --mpi, hvdtrain launch): activations move between stages as MPI "
                               "point-to-point messages, which Gloo does not offer")
         layout = Layout.of(pc.pipeline_stages, world.size)
+        if cfg.memory.activation_checkpointing:
+            checkpoint_blocks(model)  # before the cut: a stage has no `blocks` of its own
         layers = pipeline_layers(model)
         times = _agreed_times(world, layers, sample) if pc.balance == "time" else None
         bounds = boundaries(layers, layout.stages, pc.balance, times)
@@ -148,7 +152,7 @@ class Pipeline:
         mine = {id(p) for p in stage.parameters()}
         order = {id(p): p for layer in layers for p in layer.parameters() if id(p) in shared and id(p) in mine}
         tied = list(order.values())
-        comm = mpi_comm()
+        comm = mpi_comm(world.rank)
         link = Link(comm, world.device)
         cleanup.callback(link.free)
         world.print(f"hvdtrain: pipeline: {layout.describe()}; layers per stage "
@@ -329,11 +333,9 @@ def _agreed_times(world: World, layers: list[nn.Module], sample: Callable[[], tu
 
 
 def _squared_norm(params: Any) -> float:
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().float().pow(2).sum())
-    return total
+    """Sum of squared gradient entries, with one host sync (clipping only)."""
+    squares = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
+    return float(torch.stack(squares).sum()) if squares else 0.0
 
 
 def _free_others(model: nn.Module, stage: nn.Module) -> None:

@@ -107,6 +107,25 @@ def test_pipeline_autocast_and_compression_track_fp32(pipe_world, precision, com
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
 
 
+def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_rank(pipe_world):
+    # Only the first stage's gradient turns NaN (at its second step); the last stage's stays finite,
+    # yet every rank of both stages must skip that step, and only that one.
+    data = blobs(n=192)
+    model = deep_mlp()
+    calls = []
+
+    def poison(grad):
+        calls.append(1)
+        return grad * float("nan") if len(calls) == 2 else grad
+
+    model[0].weight.register_hook(poison)
+    cfg = config(pipe_world, "sgd", 0.0, 1, balance="1,6")
+    result = hvdtrain.fit(pipe_world, model, None, data, cfg, loss_fn=classify)
+    assert result.step == STEPS and result.skipped == 1
+    skipped = pipe_world.allgather_object(result.skipped, name="test.pipe.skipped")
+    assert skipped == [1] * pipe_world.size
+
+
 def tiny_gpt(seed=0):
     torch.manual_seed(seed)
     return GPT(ModelConfig(block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.0))
@@ -124,20 +143,20 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_gpt_with_tied_embedding_matches_single_process(pipe_world, schedule):
+@pytest.mark.parametrize("schedule, checkpointing", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+def test_pipeline_gpt_with_tied_embedding_matches_single_process(pipe_world, schedule, checkpointing):
     # The first stage embeds with the weight the last stage projects with: their gradients are summed.
     # SGD: Adam turns the rounding noise of near-zero gradients (attention's key bias) into full-size
     # steps, and micro-batches sum in another order than the reference's one batch.
     data = text()
-    cfg = config(pipe_world, "sgd", 1.0, 2, schedule)
+    cfg = config(pipe_world, "sgd", 1.0, 2, schedule, memory=MemoryConfig(activation_checkpointing=checkpointing))
     ref_model = tiny_gpt()
     ref_losses = reference(ref_model, data, cfg, pipe_world.size // 2, lm_loss)
     model = tiny_gpt()
     result = hvdtrain.fit(pipe_world, model, None, data, cfg, loss_fn=lm_loss)
     losses = [h["loss"] for h in result.history if "loss" in h][:STEPS]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    trained = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.numel()}
+    trained = {n.replace(".module.", "."): p for n, p in model.named_parameters(remove_duplicate=False) if p.numel()}
     ref = dict(ref_model.named_parameters(remove_duplicate=False))
     assert "tok.weight" in trained or "head.weight" in trained  # every stage holds the tied weight
     for name, p in trained.items():

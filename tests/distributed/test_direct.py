@@ -1,0 +1,75 @@
+"""comm.transport=mpi (fp32 buckets straight to MPI_Iallreduce) against Horovod's path and plain
+single-process PyTorch, at any world size; under Gloo, the refusal."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import blobs, flat_params, mlp, small_config
+from test_training import plain_pytorch_reference
+from torch import nn
+
+import hvdtrain
+from hvdtrain.config import CommConfig
+from hvdtrain.errors import ConfigError
+
+
+def cfg_with(transport, bucket_mb=25.0, compression="none"):
+    cfg = small_config()
+    return dataclasses.replace(cfg, comm=CommConfig(transport=transport, bucket_mb=bucket_mb, compression=compression))
+
+
+@pytest.fixture
+def mpi_world(world):
+    if world.controller != "mpi":
+        pytest.skip("the direct path is MPI's")
+    return world
+
+
+def test_direct_path_matches_horovod_and_single_process(mpi_world):
+    data = blobs()
+    runs = {}
+    for transport in ("horovod", "mpi"):
+        model = mlp(seed=0)
+        # Tiny buckets: several collectives a step, launched while backward runs.
+        hvdtrain.fit(mpi_world, model, None, data, cfg_with(transport, bucket_mb=0.0005))
+        runs[transport] = flat_params(model)
+    torch.testing.assert_close(runs["mpi"], runs["horovod"], rtol=1e-6, atol=1e-7)
+    reference = plain_pytorch_reference(mpi_world.size, small_config(), data)
+    torch.testing.assert_close(runs["mpi"], flat_params(reference), rtol=1e-5, atol=1e-6)
+
+
+class Backwards(nn.Module):
+    """Uses its layers in the reverse of their registration order, so backward completes the
+    buckets (built in reverse registration order) last-first: the reducer must hold them back."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.out, self.mid, self.inp = nn.Linear(32, 3), nn.Linear(32, 32), nn.Linear(12, 32)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def test_direct_path_launches_buckets_in_index_order_whatever_backward_does(mpi_world):
+    data = blobs()
+    runs = {}
+    for transport in ("horovod", "mpi"):
+        model = Backwards()
+        hvdtrain.fit(mpi_world, model, None, data, cfg_with(transport, bucket_mb=0.0001))
+        runs[transport] = flat_params(model)
+    torch.testing.assert_close(runs["mpi"], runs["horovod"], rtol=1e-6, atol=1e-7)
+
+
+def test_direct_path_keeps_fp16_compression_on_horovod(mpi_world):
+    model = mlp(seed=0)
+    result = hvdtrain.fit(mpi_world, model, None, blobs(), cfg_with("mpi", compression="fp16"))
+    assert result.step > 0 and torch.isfinite(flat_params(model)).all()
+
+
+def test_direct_path_is_refused_under_gloo(world):
+    if world.controller != "gloo" or world.size == 1:
+        pytest.skip("the refusal is Gloo's, with peers")
+    with pytest.raises(ConfigError, match="comm.transport=mpi needs Horovod's MPI controller"):
+        hvdtrain.fit(world, mlp(seed=0), None, blobs(), cfg_with("mpi"))
