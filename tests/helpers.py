@@ -29,6 +29,28 @@ def mlp(seed: int = 0, dim: int = 12, classes: int = 3) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, classes))
 
 
+def tiny_gpt(seed: int = 0) -> nn.Module:
+    """A 3-block GPT with tied embeddings (16 tokens, width 16)."""
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.tasks.models import GPT
+
+    torch.manual_seed(seed)
+    return GPT(ModelConfig(block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.0))
+
+
+def text(n: int = 64, seed: int = 0) -> TensorDataset:
+    """n random byte sequences of 17 tokens, as (16 inputs, 16 next-token targets)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (n, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
+    x, y = batch
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
+
+
 def small_config(**train) -> Config:
     base = {"epochs": 2, "batch_size": 4, "accumulation": 2, "shuffle": False}
     base.update(train)

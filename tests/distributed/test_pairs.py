@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from helpers import flat_params, small_config
+from helpers import flat_params, lm_loss, small_config, text, tiny_gpt
 from test_adaptive import Indexed, adaptive_records, growing_config, recording_loss
-from test_zero3 import lm_loss, text, tiny_gpt
 
 import hvdtrain
 from hvdtrain.config import MemoryConfig

@@ -8,14 +8,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import blobs, flat_params, shared_tmpdir, small_config
+from helpers import blobs, flat_params, lm_loss, shared_tmpdir, small_config, text, tiny_gpt
 from torch import nn
 
 import hvdtrain
-from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig
+from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, OptimConfig, ParallelConfig
 from hvdtrain.errors import ConfigError
 from hvdtrain.parallel.layout import Layout
-from hvdtrain.tasks.models import GPT
 
 STEPS = 4
 
@@ -126,29 +125,12 @@ def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_rank(pipe_wo
     assert skipped == [1] * pipe_world.size
 
 
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(ModelConfig(block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.0))
-
-
-def text(n=128, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (n, 17), generator=g)
-    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def lm_loss(model, batch):
-    x, y = batch
-    logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
-
-
 @pytest.mark.parametrize("schedule, checkpointing", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
 def test_pipeline_gpt_with_tied_embedding_matches_single_process(pipe_world, schedule, checkpointing):
     # The first stage embeds with the weight the last stage projects with: their gradients are summed.
     # SGD: Adam turns the rounding noise of near-zero gradients (attention's key bias) into full-size
     # steps, and micro-batches sum in another order than the reference's one batch.
-    data = text()
+    data = text(n=128)
     cfg = config(pipe_world, "sgd", 1.0, 2, schedule, memory=MemoryConfig(activation_checkpointing=checkpointing))
     ref_model = tiny_gpt()
     ref_losses = reference(ref_model, data, cfg, pipe_world.size // 2, lm_loss)

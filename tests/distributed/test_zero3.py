@@ -4,13 +4,12 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import blobs, flat_params, mlp, shared_tmpdir, small_config
+from helpers import blobs, flat_params, lm_loss, mlp, shared_tmpdir, small_config, text, tiny_gpt
 from torch import nn
 
 import hvdtrain
 from hvdtrain.comm.zero3 import Zero3Reducer, sharding_units
-from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, ModelConfig, OptimConfig
-from hvdtrain.tasks.models import GPT
+from hvdtrain.config import CheckpointConfig, CommConfig, MemoryConfig, OptimConfig
 
 LR = {"sgd": 0.05, "adam": 1e-2, "adamw": 1e-2}
 
@@ -54,23 +53,6 @@ def test_zero3_compressed_reduce_scatter_matches_zero2(world, compression):
     tol = {"fp16": 1e-4, "bf16": 1e-3}[compression]
     torch.testing.assert_close(runs[3], runs[2], rtol=tol, atol=tol)
     assert not torch.equal(runs[3], flat_params(mlp(seed=0)))
-
-
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(ModelConfig(block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.0))
-
-
-def text(n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (n, 17), generator=g)
-    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def lm_loss(model, batch):
-    x, y = batch
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
 
 
 @pytest.mark.parametrize("precision, checkpointing", [("fp32", False), ("bf16", False), ("fp32", True)])

@@ -36,4 +36,4 @@ def test_bench_rejects_unknown_mode():
     res = run([CLI, "bench", "allreduce", "--modes", "fp8"], check=False)
     assert res.returncode == 2
     assert res.stdout.strip().splitlines()[-1] == (
-        "hvdtrain: error: --modes 'fp8' is not allowed; choose from fp32, fp16, bf16, hvd-fp16")
+        "hvdtrain: error: --modes 'fp8' is not allowed; choose from fp32, fp16, bf16, hvd-fp16, fp32-direct")
