@@ -87,6 +87,42 @@ torch_index() {
   fi  # CPU, and cu130: pip's own indexes (PyPI's Linux torch is the CUDA 13.0 build)
 }
 
+# The wheels for this torch, resolved once and kept: a Python with no CPU torch at hand gets PyPI's
+# CUDA build (torch, triton, cuDNN, NCCL: 1.3 GB over the network), and without this every clean
+# checkout (CI's) downloads them again. The wheels pip fetched over the network are kept in the cache
+# folder; files already on this machine are named where they lie. pip prefers an index's copy to a
+# --find-links one, so the install names the resolved files themselves. Prints the folder.
+keep_torch_wheels() {
+  local dir urls
+  dir=$CACHE/wheels/torch-$TORCH_VERSION-$("$VPY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')-${CUDA:-cpu}
+  # A list naming a file that is gone (a copied cache, a cleaned wheel folder) is resolved again.
+  if [ -f "$dir/wheels.txt" ] && ! "$VPY" -c 'import os, sys; sys.exit(not all(map(os.path.exists, open(sys.argv[1]).read().split())))' "$dir/wheels.txt"; then
+    rm -f "$dir/wheels.txt"
+  fi
+  if ! [ -f "$dir/wheels.txt" ]; then
+    mkdir -p "$dir"
+    step "resolve torch $TORCH_VERSION" "Check HVDTRAIN_TORCH / HVDTRAIN_CUDA and that pip can reach the index." \
+      "$VENV/bin/pip" install --dry-run --ignore-installed --quiet --report "$dir/report.json" "$@" >&2
+    urls=$("$VPY" -c 'import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    url = item["download_info"]["url"].split("#")[0]
+    if url.startswith(("http://", "https://")): print(url)' "$dir/report.json")
+    if [ -n "$urls" ]; then
+      # shellcheck disable=SC2086  # one URL per word
+      step "keep torch's downloaded wheels in $dir" "Check that pip can reach the index and that $CACHE has room." \
+        "$VENV/bin/pip" download --no-deps --quiet --dest "$dir" $urls >&2
+    fi
+    "$VPY" -c 'import json, os, sys, urllib.parse
+for item in json.load(open(sys.argv[1]))["install"]:
+    url = urllib.parse.urlsplit(item["download_info"]["url"])
+    name = urllib.parse.unquote(url.path)
+    print(name if url.scheme == "file" else os.path.join(sys.argv[2], os.path.basename(name)))' \
+      "$dir/report.json" "$dir" >"$dir/wheels.tmp"
+    mv "$dir/wheels.tmp" "$dir/wheels.txt"
+  fi
+  echo "$dir"
+}
+
 install_torch() {
   local have want=none
   [ -n "$CUDA" ] && want=$(cuda_version "$CUDA")
@@ -95,11 +131,18 @@ install_torch() {
   # A CPU build of Horovod against PyPI's CUDA torch: for Pythons without a CPU torch at hand (PyPI's
   # Linux torch is the CUDA build); it trains on CPU all the same.
   [ -z "$CUDA" ] && case "$have" in "$TORCH_VERSION"+*|"$TORCH_VERSION "*) return 0;; esac
-  local index args=("torch==$TORCH_VERSION")
+  local index args=("torch==$TORCH_VERSION") kept
   index=$(torch_index)
   [ -n "$index" ] && args+=(--index-url "$index")
-  step "install torch $TORCH_VERSION${CUDA:+ ($CUDA)}" "Check HVDTRAIN_TORCH / HVDTRAIN_CUDA and that pip can reach the index." \
-    "$VENV/bin/pip" install "${args[@]}"
+  if [ "$DRY" = 1 ]; then
+    step "install torch $TORCH_VERSION${CUDA:+ ($CUDA)}" "" "$VENV/bin/pip" install "${args[@]}"
+  else
+    kept=$(keep_torch_wheels "${args[@]}")
+    # The resolved set, complete: --no-deps keeps pip from asking the indexes again.
+    mapfile -t args <"$kept/wheels.txt"
+    step "install torch $TORCH_VERSION${CUDA:+ ($CUDA)}" "Remove $kept and rerun; check that pip can reach the index." \
+      "$VENV/bin/pip" install --no-deps "${args[@]}"
+  fi
   [ "$DRY" = 1 ] && return 0
   have=$("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
   case "$have" in
