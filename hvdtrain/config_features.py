@@ -207,11 +207,6 @@ def check_combinations(c: Any) -> None:
         # ZeRO shards are laid out for one world size; an elastic reset would need a live re-shard.
         raise ConfigError(f"memory.zero_stage={c.memory.zero_stage} cannot be combined with "
                           "elastic.enabled=true; use zero_stage 0 for elastic runs")
-    if c.adaptive.enabled and c.memory.zero_stage == 3:
-        # Its OOM backstop needs a rank that failed mid-step to join its peers' remaining collectives;
-        # under stage 3 those include the parameter allgathers of units it never reached.
-        raise ConfigError("adaptive.enabled cannot be combined with memory.zero_stage=3; use memory.zero_stage "
-                          "1 or 2 with adaptive batch sizing")
     if c.adaptive.enabled and c.data.num_workers:
         # Its micro-batch can change at any step, so nothing can be loaded ahead in another process.
         raise ConfigError(f"data.num_workers={c.data.num_workers} cannot be combined with adaptive.enabled=true "

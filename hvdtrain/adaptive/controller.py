@@ -137,10 +137,11 @@ class AdaptiveController(StepHooks):
     def run_probe(self) -> None:
         """Memory probe (before step 1, and again after an elastic reset). All ranks must call."""
         self.reducer.arm(last_micro_batch=False)  # the probe's backwards must not launch collectives
-        # The inner optimizer: ZeRO's sharded step allgathers, and a rank whose probe step ran out of
-        # memory would skip that collective (the inner one's step is local; under ZeRO it has no
-        # gradients in the probe, so the probe sees no optimizer state: its slices are 1/N anyway).
-        prober = Prober(self.model, self.inner, self.dataset, self.loss_fn, self.world.device, self.injector)
+        # The inner optimizer: ZeRO's sharded step would add an allgather to each trial (the inner
+        # one's step is local). Under stages 1-2 its slices get no gradient in the probe, so no state
+        # is created (1/N anyway); under stage 3 the trials reduce-scatter into them like any step.
+        prober = Prober(self.model, self.inner, self.dataset, self.loss_fn, self.world.device, self.injector,
+                        self.world, self.reducer)
         limit = self.ac.max_micro_batch or self.max_batch // self.world.size
         started = time.perf_counter()
         result = probe(self.world, self.ac, prober, self.m, limit)

@@ -4,7 +4,11 @@ fast per sample as the best.
 The probe runs before step 1 on every rank together: optimizer state is materialised first (a size
 found without it OOMs at the first real step), memory is measured at two micro-batch sizes and
 fitted as mem(m) = a + c·m, the predicted largest m (less a safety margin) is verified with a real
-step and bisected on failure. Ranks agree with a MIN allreduce. On GPU memory is the allocator's
+step and bisected on failure. Every rank runs the same sizes in the same order: each trial's verdict
+(an OOM on any rank, the most bytes any rank held) is agreed in one small allreduce before the next
+size is chosen, since under ZeRO-3 a trial's forward and backward are themselves collectives (the
+parameter allgathers, the gradient reduce-scatters), which a rank trying another size would leave
+waiting. The agreement costs one 2-value allreduce a trial (~15 trials). On GPU memory is the allocator's
 peak and an OOM is real; on CPU it is what the step holds (parameters, gradients, optimizer state and
 the tensors autograd saves for backward) against a budget, and the fault injector
 (hvdtrain/faults.py) raises a real `torch.OutOfMemoryError` so the failure path runs on CPU too.
@@ -61,9 +65,14 @@ class _Measure:
         return self._state_bytes() + sum(self.saved.values())
 
     def _state_bytes(self) -> int:
-        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        """The distinct storages of the parameters, the optimizer's parameters (ZeRO's slices), their
+        gradients and the optimizer state: views into one flat buffer count once, and ZeRO-3's
+        parameters, whose gathered storage is freed between uses, count what they hold now (0)."""
+        params = [*self.model.parameters(), *(p for g in self.optimizer.param_groups for p in g["params"])]
+        tensors = params + [p.grad for p in params if p.grad is not None]
         tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+        return sum(n for (_, ptr), n in storages.items() if ptr)
 
 
 def budget_bytes(cfg: AdaptiveConfig, device: torch.device) -> int:
@@ -77,12 +86,15 @@ def budget_bytes(cfg: AdaptiveConfig, device: torch.device) -> int:
 
 
 class Prober:
-    """Runs probe steps outside training: the caller has disarmed the reducer's collectives."""
+    """Runs probe steps outside training, on every rank together. The caller has disarmed the
+    reducer's gradient collectives; those a trial cannot do without (ZeRO-3's) are the reducer's to
+    settle after each trial (`reducer.probe_trial_done`)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, loss_fn: Any,
-                 device: torch.device, injector: FaultInjector) -> None:
-        self.model, self.optimizer, self.dataset = model, optimizer, dataset
-        self.loss_fn, self.device, self.injector = loss_fn, device, injector
+                 device: torch.device, injector: FaultInjector, world: World | None = None,
+                 reducer: Any = None) -> None:
+        self.world, self.model, self.optimizer, self.dataset = world, model, optimizer, dataset
+        self.loss_fn, self.device, self.injector, self.reducer = loss_fn, device, injector, reducer
         self.measure = _Measure(model, optimizer, device)
         self.seconds: dict[int, float] = {}
         self.runs: dict[int, int] = {}  # successful runs by m
@@ -92,7 +104,8 @@ class Prober:
         return to_device(default_collate([self.dataset[i % n] for i in range(m)]), self.device)
 
     def step(self, m: int, update: bool = False) -> int | None:
-        """Bytes one forward+backward of m samples holds, or None on an OOM (real or injected)."""
+        """The most bytes one forward+backward of m samples held on any rank, or None if it ran out
+        of memory (real or injected) on any rank. All ranks must call with the same m."""
         batch = self._batch(m)
 
         def fn() -> None:
@@ -100,27 +113,41 @@ class Prober:
             loss, _ = checked(self.loss_fn(self.model, batch), training=True)
             loss.backward()
 
+        used: int | None = None
+        elapsed = 0.0
         try:
             start = time.perf_counter()
             used = self.measure.run(fn)
             # The fastest of the runs at this size: the first pays allocation, and on a shared host any
             # one run can be stretched by a neighbour; a single slow sample priced a size out of every
             # later decision, since the controller only re-times the micro-batch it runs.
-            self.seconds[m] = min(time.perf_counter() - start, self.seconds.get(m, float("inf")))
-            self.runs[m] = self.runs.get(m, 0) + 1
+            elapsed = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - only OOMs are expected here
             if not is_oom(exc):
                 raise
             del exc  # the traceback holds the activations
             free_after_oom(self.model, self.device)
-            return None
-        if update:
-            self.optimizer.step()  # materialises optimizer state before anything is measured
+        if self.reducer is not None:
+            self.reducer.probe_trial_done(oom=used is None)
+        used = self._agree(used)
+        if used is not None:
+            self.seconds[m] = min(elapsed, self.seconds.get(m, float("inf")))
+            self.runs[m] = self.runs.get(m, 0) + 1
+            if update:
+                self.optimizer.step()  # materialises optimizer state before anything is measured
         self.optimizer.zero_grad()
         # The model's own gradients too: under ZeRO the optimizer's are slices, and a probe's
         # gradient left in `.grad` would be added to the first real step's.
         self.model.zero_grad(set_to_none=True)
         return used
+
+    def _agree(self, used: int | None) -> int | None:
+        """[failed, bytes] maximised over ranks: None if any rank failed, else the most bytes."""
+        if self.world is None or self.world.size == 1:
+            return used
+        local = torch.tensor([1.0 if used is None else 0.0, float(used or 0)], dtype=torch.float64)
+        failed, most = self.world.allreduce(local, name="hvdtrain.adaptive.probe.trial", op="max").tolist()
+        return None if failed > 0 else int(most)
 
     def largest(self, start: int, limit: int, budget: int, margin: float) -> int:
         """Fit mem(m) = a + c·m at two sizes, predict, verify, bisect on failure."""
@@ -163,15 +190,26 @@ class Prober:
 
 
 def probe(world: World, cfg: AdaptiveConfig, prober: Prober, start: int, limit: int) -> ProbeResult:
-    """Run the probe on every rank and agree on the smallest cap (MIN). All ranks must call."""
+    """Run the probe on every rank together; every trial's verdict is agreed, so every rank finds
+    the same cap. All ranks must call."""
     model, optimizer = prober.model, prober.optimizer
-    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), rng_state())
+    # What a probe step can change: the tensors the optimizer steps (ZeRO's slices: ZeRO-3's
+    # parameters are views into freed buffers, with nothing to copy), the model's buffers (batch
+    # norm statistics), the optimizer's state and the RNGs.
+    tensors = [p for g in optimizer.param_groups for p in g["params"]] + list(model.buffers())
+    saved = ([t.detach().clone() for t in tensors], copy.deepcopy(optimizer.state_dict()), rng_state())
     try:
-        cap = prober.largest(start, limit, budget_bytes(cfg, prober.device), cfg.probe_margin)
-        cap = int(world.allreduce(torch.tensor([cap], dtype=torch.float64), "hvdtrain.adaptive.probe.cap", "min"))
+        # The smallest budget of any rank (free memory differs per host): the sizes tried next follow
+        # from it, and every rank must try the same ones.
+        budget = world.allreduce(torch.tensor([float(budget_bytes(cfg, prober.device))], dtype=torch.float64),
+                                 name="hvdtrain.adaptive.probe.budget", op="min") if world.size > 1 else None
+        cap = prober.largest(start, limit, int(budget[0]) if budget is not None else budget_bytes(cfg, prober.device),
+                             cfg.probe_margin)
         preferred = prober.preferred(cap, min(start, cap))
     finally:
-        model.load_state_dict(saved[0])
+        with torch.no_grad():
+            for t, value in zip(tensors, saved[0]):
+                t.copy_(value)
         optimizer.load_state_dict(saved[1])
         set_rng_state(saved[2])
         optimizer.zero_grad()

@@ -56,6 +56,10 @@ class HookedBuckets:
         verdict in (adaptive batch sizing's OOM backstop)."""
         self._held = len(self.buckets) - 1
 
+    def probe_trial_done(self, oom: bool) -> None:
+        """After each memory-probe trial (hvdtrain/adaptive/probe.py), on every rank; `oom`: this rank
+        ran out of memory in it. Disarmed, these buckets launched nothing: nothing to settle."""
+
     def arm(self, last_micro_batch: bool, left: int = 0) -> None:
         """Before each micro-batch (`left` more follow it in this step): only the last micro-batch of
         a step launches collectives."""

@@ -283,6 +283,18 @@ class Zero3Reducer(ZeroReducer):
         else:
             self._replay(fill)
 
+    def probe_trial_done(self, oom: bool) -> None:
+        """A memory-probe trial is a micro-batch like any other here (its forward gathered, its
+        backward reduce-scattered), so a rank that ran out of memory in it joins what its peers still
+        issue, sending zeros; then every reduce-scatter is finished, so the slices hold the trial's
+        gradient (the probe's first trial steps the optimizer with it to create its state)."""
+        self._left = 0
+        if oom:
+            self._replay(0.0)  # leaves every unit marked reduced for the step: cleared below
+        self._end_micro_batch()
+        for u in sorted(self._pending):
+            self._finish(u)
+
     def _owed(self) -> collections.Counter:
         """The collectives (kind, unit) the other ranks still issue in this step: the rest of this
         micro-batch's and all of the `_left` that follow. Each micro-batch issues the same ones, as

@@ -212,7 +212,7 @@ def memory_probe(world: World, work: Path) -> Result:
 
         # The probe plans for memory_fraction of the card: here 95% of the cap just set.
         cfg = AdaptiveConfig(memory_fraction=0.95 * budget / total)
-        prober = Prober(model, optimizer, data, lm, world.device, FaultInjector(FaultsConfig(), world.rank))
+        prober = Prober(model, optimizer, data, lm, world.device, FaultInjector(FaultsConfig(), world.rank), world)
         t0 = time.perf_counter()
         found = probe(world, cfg, prober, 8, 4096)
         seconds = time.perf_counter() - t0

@@ -139,7 +139,8 @@ def test_probe_agrees_on_the_smallest_cap_when_one_rank_fails_above_it(world):
     model = mlp(seed=6)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     before = flat_params(model).clone()
-    prober = Prober(model, optimizer, blobs(n=64), classification_loss, world.device, FaultInjector(faults, world.rank))
+    prober = Prober(model, optimizer, blobs(n=64), classification_loss, world.device,
+                    FaultInjector(faults, world.rank), world)
     result = probe(world, cfg, prober, start=2, limit=32)
     every = world.allgather_object((result.cap, result.preferred), name="t.adaptive.probe")
     assert all(e == (6, every[0][1]) for e in every) and 1 <= result.preferred <= 6
@@ -392,15 +393,35 @@ def test_fp16_noise_scale_is_measured_unscaled_and_the_batch_grows(world):
     assert g2["fp16"][-1] == pytest.approx(g2["fp32"][-1], rel=0.05)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_adaptive_grows_and_retries_an_oom_like_unsharded(world, stage):
+def test_zero3_probe_tries_the_same_sizes_on_every_rank_and_finds_the_unsharded_cap(world):
+    # Under ZeRO-3 a probe trial's forward and backward are collectives: every rank tries the same
+    # sizes (each verdict agreed), the rank whose trials above m = 6 run out of memory joins its
+    # peers' gathers and reduce-scatters, the cap is the unsharded probe's, and training goes on
+    # from weights the probe left untouched.
+    reports, firsts = {}, {}
+    for zero in (0, 3):
+        cfg = growing_config(batch_size=2, max_micro_batch=0, probe=True, memory_budget_mb=256,
+                             warmup_steps=10**6, oom_above=6, oom_rank=world.size - 1, oom_step=0)
+        cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, zero_stage=zero))
+        result = hvdtrain.fit(world, mlp(seed=6), None, Indexed(32 * world.size), cfg, loss_fn=recording_loss([]))
+        reports[zero] = [r for r in result.history if r.get("event") == "probe"]
+        firsts[zero] = next(r["loss"] for r in result.history if r["kind"] == "train")
+    every = world.allgather_object(reports[3][0]["cap"], name="t.adaptive.zero3.probe")
+    assert every == [6] * world.size and reports[0][0]["cap"] == 6
+    assert firsts[3] == pytest.approx(firsts[0], rel=1e-6)  # the first step started from the same weights
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "fp16"), (3, "fp16")])
+def test_zero_adaptive_grows_and_retries_an_oom_like_unsharded(world, stage, precision):
     # The same schedule with and without sharding: the batch grows at the same steps, the injected
     # OOM is retried at half the micro-batch, and the weights agree (a ring's summation order is the
-    # only difference: rtol 1e-5).
+    # only difference: rtol 1e-5). Stage 3: the rank that ran out of memory joins its peers'
+    # remaining parameter allgathers and reduce-scatters.
     data = Indexed(160 * world.size)
     runs = {}
     for zero in (0, stage):
         cfg = growing_config(batch_size=8, max_micro_batch=0, oom_above=4, oom_rank=world.size - 1, oom_step=3)
+        cfg = with_precision(cfg, precision)
         cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, zero_stage=zero))
         model = mlp(seed=5)
         result = hvdtrain.fit(world, model, None, data, cfg, loss_fn=recording_loss([]))
