@@ -14,7 +14,7 @@ setup(
     description="Horovod-based data-parallel training toolkit for PyTorch",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]) + list(SHIPPED),
     package_dir=SHIPPED,
-    package_data={"hvdtrain.configs": ["*.yaml"], "hvdtrain.install": ["install.sh"]},
+    package_data={"hvdtrain.configs": ["*.yaml"], "hvdtrain.install": ["install.sh", "*.patch"]},
     python_requires=">=3.10",
     # torch: the range we test; install it first (pip would otherwise pick PyPI's CUDA build, GBs).
     # Horovod is not declared: pip would build 0.28.1 in isolation, without torch and as C++14,

@@ -18,7 +18,8 @@
 #   HVDTRAIN_DRY_RUN=1     print the steps that would run, change nothing
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # this script's folder (the package's, when shipped)
+ROOT=$(cd "$HERE/.." && pwd)
 PY=${HVDTRAIN_PYTHON:-python3}
 VENV=${HVDTRAIN_VENV:-$ROOT/.venv}
 # The interpreter and pip the steps use: the venv's (`install.sh wheel` uses HVDTRAIN_PYTHON's own).
@@ -35,7 +36,7 @@ CUDA13_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cud
 CUDA13_CC_LIST=75,80,86,89,90,100,120
 HOROVOD_VERSION=0.28.1
 # Bump when the patches applied to the sdist change, so a cached wheel built without them is not reused.
-HOROVOD_RECIPE=r4
+HOROVOD_RECIPE=r5
 CACHE=${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}
 DRY=${HVDTRAIN_DRY_RUN:-0}
 LOG_DIR=${HVDTRAIN_LOG_DIR:-$ROOT/.install-logs}
@@ -273,6 +274,10 @@ build_horovod_wheel() {
     grep -q 'int current = 0;' "$work/horovod-$HOROVOD_VERSION/third_party/gloo/gloo/transport/tcp/pair.cc" \
       || die "keep Gloo's TCP send buffer autotuned" "gloo/transport/tcp/pair.cc has no send-buffer sizing line to patch."
   fi
+  # The background thread sleeps while every worker is idle instead of coordinating every 1 ms
+  # (8-14% of a core per idle rank over Gloo; the patch file says how).
+  step "let Horovod's background thread sleep while idle" "The sdist layout differs from 0.28.1." \
+    patch -p1 --forward -d "$work/horovod-$HOROVOD_VERSION" -i "$HERE/horovod-idle-sleep.patch"
   local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1) mpi=HOROVOD_WITH_MPI=1 home
   if [ -n "$CUDA" ]; then
     mkdir -p "$work/nccl-link"

@@ -11,7 +11,7 @@ cd "$ROOT"
 ruff check hvdtrain tests setup.py benchmarks
 mypy  # hvdtrain/, settings in pyproject.toml
 rc=0
-python -m pytest tests -q -p no:cacheprovider "$@" || rc=$?
+python -m pytest tests -q -p no:cacheprovider --durations=25 "$@" || rc=$?
 # The unit tier again under the oldest Python that setup.py promises, where the machine has one
 # (HVDTRAIN_SKIP_PY310=1 skips it). PyPI's torch for it is the CUDA build (~3 GB, ~30 s here);
 # Horovod is built once for it and cached like the main one's.

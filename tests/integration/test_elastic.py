@@ -149,13 +149,13 @@ def _epochs(order: list[int]) -> list[list[int]]:
 def test_adaptive_batch_survives_worker_lost_and_back(tmp_path):
     """The controller's state goes through commits, rollbacks and syncs: each new world re-probes and
     keeps the global batch (or the nearest one its size divides), and no sample of an epoch is lost
-    or trained twice. With fp16 compression, error feedback and activation checkpointing on too (the
-    pairs elastic x each of them): each new world rebuilds the reducer, dropping the old world's
-    residuals, and keeps the wrapped blocks."""
+    or trained twice. With fp16 compression, error feedback, activation checkpointing and fp16
+    autocast on too (the pairs elastic x each of them): each new world rebuilds the reducer, dropping
+    the old world's residuals, keeps the wrapped blocks, and takes the loss scale from the commit."""
     output, trace, accuracy = _disturbed_run(
         tmp_path, "train.epochs=8", "adaptive.enabled=true", "adaptive.max_batch=192", "adaptive.warmup_steps=4",
         "adaptive.decide_every=4", "adaptive.norm_test=0", "comm.compression=fp16", "comm.error_feedback=true",
-        "memory.activation_checkpointing=true")
+        "memory.activation_checkpointing=true", "memory.precision=fp16")
     records = [json.loads(line) for line in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()]
     events = lambda name: [r for r in records if r.get("event") == name]  # noqa: E731
     starts, probes = events("start"), events("probe")
