@@ -15,10 +15,13 @@ if [ -n "${PIP_CERT:-}" ] && [ ! -r "$PIP_CERT" ]; then
 fi
 
 # install.sh writes a freshly built wheel into its cache, so a read-only mount is copied first;
-# without the mount (or without a matching wheel) Horovod is compiled here.
+# without the mount (or without a matching wheel) Horovod is compiled here. Only the Horovod wheels
+# and the CUDA toolchain: a developer's cache also holds venvs and torch wheels (GBs) an image never uses.
 cache=$(mktemp -d)
 if [ -d "${HOROVOD_WHEEL_CACHE:-/nonexistent}" ]; then
-  cp -r "$HOROVOD_WHEEL_CACHE"/. "$cache"/
+  for kept in "$HOROVOD_WHEEL_CACHE"/horovod-* "$HOROVOD_WHEEL_CACHE"/cuda-*; do
+    if [ -d "$kept" ]; then cp -r "$kept" "$cache"/; fi
+  done
 fi
 
 export HVDTRAIN_VENV=/opt/hvdtrain/.venv HVDTRAIN_CACHE=$cache HVDTRAIN_LOG_DIR=/tmp/hvdtrain-install-logs \

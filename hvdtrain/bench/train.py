@@ -28,15 +28,18 @@ from typing import Any
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
-# mpi-direct: hvdtrain under the MPI controller with comm.transport=mpi (fp32 buckets straight to MPI)
-CONTROLLERS = ("gloo", "mpi", "mpi-direct")
+# mpi-direct: hvdtrain under the MPI controller with comm.transport=mpi (fp32 buckets straight to MPI);
+# gloo-cycling, mpi-cycling: Horovod's upstream background loop (HOROVOD_IDLE_SLEEP_MS=0), one
+# coordination round every cycle, against the build's loop that sleeps while every worker is idle.
+CONTROLLERS = ("gloo", "mpi", "mpi-direct", "gloo-cycling", "mpi-cycling")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default="synthetic,digits,pylm", help="built-in tasks, comma-separated")
     p.add_argument("--np", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--controllers", default="gloo,mpi",
-                   help="Horovod controllers for hvdtrain and horovod; mpi-direct: hvdtrain with comm.transport=mpi")
+                   help="Horovod controllers for hvdtrain and horovod; mpi-direct: hvdtrain with comm.transport=mpi; "
+                        "gloo-cycling, mpi-cycling: with Horovod's upstream loop (HOROVOD_IDLE_SLEEP_MS=0)")
     p.add_argument("--modes", default="hvdtrain,horovod,ddp", help="which ways to run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per launch")
@@ -161,8 +164,13 @@ def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
 
 
 def _controller(ctrl: str) -> str:
-    """The Horovod controller a way runs under (mpi-direct is MPI's)."""
-    return "mpi" if ctrl == "mpi-direct" else ctrl
+    """The Horovod controller a way runs under (mpi-direct and mpi-cycling are MPI's)."""
+    return ctrl.split("-")[0]
+
+
+def _env(ctrl: str, plan: dict[str, Any]) -> dict[str, str]:
+    """A way's environment: the plan's, and the upstream background loop for the *-cycling ones."""
+    return {**plan["env"], "HOROVOD_IDLE_SLEEP_MS": "0"} if ctrl.endswith("-cycling") else plan["env"]
 
 
 def _horovodrun(ctrl: str, np: int, plan: dict[str, Any]) -> list[str]:
@@ -279,7 +287,8 @@ def _run_task(task: str, plan: dict[str, Any], args: argparse.Namespace) -> list
         runs: dict[tuple, list[dict[str, Any]]] = {}
         for rnd in range(args.repeats):
             for mode, ctrl in _ways(plan):
-                rec = _launch(_command(mode, ctrl, np, task, args, plan), plan["env"], args.timeout, "train-run")[0]
+                rec = _launch(_command(mode, ctrl, np, task, args, plan), _env(ctrl, plan), args.timeout,
+                              "train-run")[0]
                 rec.update(controller=ctrl, round=rnd)
                 if plan["hosts"]:
                     rec["hosts"] = ",".join(f"{h.name}:{h.slots}" for h in plan["hosts"][np])
@@ -305,8 +314,8 @@ def run(args: argparse.Namespace) -> int:
         if max(plan["np"]) > 1 and 1 in plan["np"]:  # the model needs a 1-rank step to predict from
             for ctrl in {_controller(c) for c in plan["controllers"]}:
                 links[ctrl] = _ring_probe(task, max(plan["np"]), ctrl, task_results[0]["params"], plan, args)
-            if "mpi-direct" in plan["controllers"]:
-                links["mpi-direct"] = links["mpi"]
+            for ctrl in plan["controllers"]:  # the variants share their controller's link
+                links[ctrl] = links[_controller(ctrl)]
         for rec in scaling_records(task, task_results, links):
             _emit(rec)
             scaling.append(rec)
