@@ -37,7 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("hvdtrain.bench.memory", "step time and memory per precision / activation-checkpointing variant"),
     "adaptive": ("hvdtrain.bench.adaptive", "time to a target held-out loss: adaptive vs fixed batches"),
     "pipeline": ("hvdtrain.bench.pipeline", "pipeline stages vs data parallelism: step time, bubble, memory"),
-    "idle": ("hvdtrain.bench.idle", "idle CPU per rank, small-allreduce latency: Horovod's loop asleep or cycling, DDP"),
+    "idle": ("hvdtrain.bench.idle", "idle CPU per rank, small-allreduce latency: Horovod's loop asleep, cycling; DDP"),
 }
 
 
