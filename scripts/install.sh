@@ -36,7 +36,7 @@ CUDA13_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cud
 CUDA13_CC_LIST=75,80,86,89,90,100,120
 HOROVOD_VERSION=0.28.1
 # Bump when the patches applied to the sdist change, so a cached wheel built without them is not reused.
-HOROVOD_RECIPE=r5
+HOROVOD_RECIPE=r6
 CACHE=${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}
 DRY=${HVDTRAIN_DRY_RUN:-0}
 LOG_DIR=${HVDTRAIN_LOG_DIR:-$ROOT/.install-logs}
@@ -278,6 +278,10 @@ build_horovod_wheel() {
   # (8-14% of a core per idle rank over Gloo; the patch file says how).
   step "let Horovod's background thread sleep while idle" "The sdist layout differs from 0.28.1." \
     patch -p1 --forward -d "$work/horovod-$HOROVOD_VERSION" -i "$HERE/horovod-idle-sleep.patch"
+  # hvd.synchronize sleeps until its collective is done instead of yielding in a loop (a whole core
+  # per waiting rank for as long as the collective takes; the patch file says how).
+  step "let synchronize sleep until its collective is done" "The sdist layout differs from 0.28.1." \
+    patch -p1 --forward -d "$work/horovod-$HOROVOD_VERSION" -i "$HERE/horovod-wait-handle.patch"
   local gpu_env=(HOROVOD_GPU_OPERATIONS= HOROVOD_WITHOUT_GPU=1) mpi=HOROVOD_WITH_MPI=1 home
   if [ -n "$CUDA" ]; then
     mkdir -p "$work/nccl-link"
