@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from hvdtrain.bench.train import records
+from hvdtrain.bench.launching import records
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTBED = str(ROOT / "scripts" / "testbed.sh")

@@ -16,22 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.bench.launching import VARIANTS, controller, horovodrun, launch, variant_env
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
 # mpi-direct: hvdtrain under the MPI controller with comm.transport=mpi (fp32 buckets straight to MPI);
-# gloo-cycling, mpi-cycling: Horovod's upstream background loop (HOROVOD_IDLE_SLEEP_MS=0), one
-# coordination round every cycle, against the build's loop that sleeps while every worker is idle.
-CONTROLLERS = ("gloo", "mpi", "mpi-direct", "gloo-cycling", "mpi-cycling")
+# the variants (hvdtrain.bench.launching.VARIANTS) switch one of our Horovod patches back to upstream.
+CONTROLLERS = ("gloo", "mpi", "mpi-direct") + tuple(f"{c}-{v}" for v in VARIANTS for c in ("gloo", "mpi"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--controllers", default="gloo,mpi",
                    help="Horovod controllers for hvdtrain and horovod; mpi-direct: hvdtrain with comm.transport=mpi; "
-                        "gloo-cycling, mpi-cycling: with Horovod's upstream loop (HOROVOD_IDLE_SLEEP_MS=0)")
+                        "gloo|mpi-cycling: Horovod's upstream background loop; -yielding: its upstream "
+                        "synchronize; -upstream: both")
     p.add_argument("--modes", default="hvdtrain,horovod,ddp", help="which ways to run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per launch")
@@ -113,42 +111,6 @@ def _host_lists(text: str, nps: list[int], ddp: bool) -> dict[int, list[Any]]:
     return out
 
 
-def records(text: str, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records `hvdtrain.bench.emit` printed, found in launcher output (only those of `kind` if
-    given). Rank tags are removed wherever they stand and JSON is decoded wherever it starts, because
-    Open MPI sometimes glues the next line (or its tag) onto a line."""
-    text = re.sub(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:", "", text)
-    decoder, out, i = json.JSONDecoder(), [], text.find('{"bench"')
-    while i != -1:
-        obj, end = decoder.raw_decode(text, i)
-        if kind is None or obj.get("bench") == kind:
-            out.append(obj)
-        i = text.find('{"bench"', end)
-    return out
-
-
-def _launch(cmds: list[list[str]], env: dict[str, str], timeout: float, kind: str) -> list[dict[str, Any]]:
-    """Run the commands together (one per host for multi-host DDP, else one) and return the records."""
-    # Sessions of their own, so a timeout (or Ctrl-C) ends mpirun/ssh and every rank, not just the launcher.
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c in cmds]
-    outs, shown = [], " & ".join(" ".join(c) for c in cmds)
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=timeout)[0])
-    except BaseException:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        out = "".join(proc.communicate()[0] or "" for proc in procs)
-        raise RuntimeError(f"stopped (timeout {timeout} s or interrupt): {shown}\n{out[-4000:]}") from None
-    out = "".join(outs)
-    recs = records(out, kind)
-    if any(p.returncode != 0 for p in procs) or not recs:
-        raise RuntimeError(f"exit {[p.returncode for p in procs]}, no {kind} record: {shown}\n{out[-4000:]}")
-    return recs
-
-
 def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
              plan: dict[str, Any]) -> list[list[str]]:
     worker = ["-m", "hvdtrain.bench.loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
@@ -160,28 +122,7 @@ def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
         return _ddp_over_ssh(hosts, worker, args, plan["env"])
     if mode == "ddp":  # as DDP users launch it
         return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np}", *worker]]
-    return [_horovodrun(_controller(ctrl), np, plan) + worker]
-
-
-def _controller(ctrl: str) -> str:
-    """The Horovod controller a way runs under (mpi-direct and mpi-cycling are MPI's)."""
-    return ctrl.split("-")[0]
-
-
-def _env(ctrl: str, plan: dict[str, Any]) -> dict[str, str]:
-    """A way's environment: the plan's, and the upstream background loop for the *-cycling ones."""
-    return {**plan["env"], "HOROVOD_IDLE_SLEEP_MS": "0"} if ctrl.endswith("-cycling") else plan["env"]
-
-
-def _horovodrun(ctrl: str, np: int, plan: dict[str, Any]) -> list[str]:
-    """horovodrun up to the Python interpreter, on this host or across --hosts."""
-    hosts = plan["hosts"].get(np)
-    where = ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)] if hosts else []
-    if hosts and ctrl == "mpi":  # as `hvdtrain launch` runs it across hosts
-        from hvdtrain.tools.launch import MPI_RING_ARGS
-
-        where.append(f"--mpi-args={MPI_RING_ARGS}")
-    return [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np), *where, f"--{ctrl}", sys.executable]
+    return [horovodrun(controller(ctrl), np, plan["hosts"].get(np)) + worker]
 
 
 def _ddp_over_ssh(hosts: list[Any], worker: list[str], args: argparse.Namespace,
@@ -224,7 +165,7 @@ def _ratios(rec: dict[str, Any], by_key: dict[tuple, dict[str, Any]], rounds: di
     """Ratio of medians to the hand-written Horovod loop (same controller) and to DDP, plus the
     median of per-round ratios (each pair launched back to back, so it cancels slow load drift)."""
     key = (rec["task"], rec["np"])
-    refs = {"horovod": (rec["mode"] != "horovod" and rec["mode"] != "ddp", "horovod", _controller(rec["controller"])),
+    refs = {"horovod": (rec["mode"] != "horovod" and rec["mode"] != "ddp", "horovod", controller(rec["controller"])),
             "ddp": (rec["mode"] != "ddp", "ddp", "torch")}
     for name, (wanted, mode, ctrl) in refs.items():
         ref = by_key.get((*key, mode, ctrl))
@@ -241,9 +182,9 @@ def _ring_probe(task: str, np: int, ctrl: str, params: int, plan: dict[str, Any]
                 args: argparse.Namespace) -> dict[str, float]:
     """Latency alpha (s per message) and bandwidth beta (bytes/s) from two timed allreduces at np."""
     size = params * 4
-    cmd = _horovodrun(ctrl, np, plan) + ["-m", "hvdtrain.tools.cli", "bench", "allreduce", "--sizes", f"4,{size}",
-                                         "--modes", "fp32", "--iters", "10"]
-    recs = {r["bytes"]: r["time_s"] for r in _launch([cmd], plan["env"], args.timeout, "allreduce")}
+    cmd = horovodrun(ctrl, np, plan["hosts"].get(np)) + [
+        "-m", "hvdtrain.tools.cli", "bench", "allreduce", "--sizes", f"4,{size}", "--modes", "fp32", "--iters", "10"]
+    recs = {r["bytes"]: r["time_s"] for r in launch([cmd], plan["env"], args.timeout, "allreduce")}
     hops = 2 * (np - 1)
     alpha = recs[4] / hops
     beta = hops / np * size / max(recs[size] - hops * alpha, 1e-9)
@@ -287,8 +228,8 @@ def _run_task(task: str, plan: dict[str, Any], args: argparse.Namespace) -> list
         runs: dict[tuple, list[dict[str, Any]]] = {}
         for rnd in range(args.repeats):
             for mode, ctrl in _ways(plan):
-                rec = _launch(_command(mode, ctrl, np, task, args, plan), _env(ctrl, plan), args.timeout,
-                              "train-run")[0]
+                env = {**plan["env"], **variant_env(ctrl)}
+                rec = launch(_command(mode, ctrl, np, task, args, plan), env, args.timeout, "train-run")[0]
                 rec.update(controller=ctrl, round=rnd)
                 if plan["hosts"]:
                     rec["hosts"] = ",".join(f"{h.name}:{h.slots}" for h in plan["hosts"][np])
@@ -312,10 +253,10 @@ def run(args: argparse.Namespace) -> int:
         results += task_results
         links = {}
         if max(plan["np"]) > 1 and 1 in plan["np"]:  # the model needs a 1-rank step to predict from
-            for ctrl in {_controller(c) for c in plan["controllers"]}:
+            for ctrl in {controller(c) for c in plan["controllers"]}:
                 links[ctrl] = _ring_probe(task, max(plan["np"]), ctrl, task_results[0]["params"], plan, args)
             for ctrl in plan["controllers"]:  # the variants share their controller's link
-                links[ctrl] = links[_controller(ctrl)]
+                links[ctrl] = links[controller(ctrl)]
         for rec in scaling_records(task, task_results, links):
             _emit(rec)
             scaling.append(rec)

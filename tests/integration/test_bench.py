@@ -2,7 +2,7 @@
 
 from launch import BIN, horovodrun, run
 
-from hvdtrain.bench.train import records
+from hvdtrain.bench.launching import records
 
 CLI = str(BIN / "hvdtrain")
 
@@ -40,21 +40,26 @@ def test_bench_rejects_unknown_mode():
 
 
 def test_bench_idle_measures_each_way_on_every_rank():
-    # Launched without a launcher, like bench train: the sleeping and the upstream loop (the same
-    # build, HOROVOD_IDLE_SLEEP_MS) on one controller, and DDP, one round each.
-    res = run([CLI, "bench", "idle", "--controllers", "gloo", "--idle-sleep", "100,0", "--rounds", "1",
+    # Launched without a launcher, like bench train: Horovod as built and its upstream behaviour (the
+    # same build, switched back by environment) on one controller, and DDP, one round each.
+    res = run([CLI, "bench", "idle", "--controllers", "gloo,gloo-upstream", "--rounds", "1",
                "--seconds", "0.5", "--iters", "20"], timeout=240)
     recs = records(res.stdout)
     runs = [r for r in recs if r["bench"] == "idle-run"]
-    assert [r["way"] for r in runs] == ["gloo/idle-sleep=100", "gloo/idle-sleep=0", "ddp"]
+    assert [r["way"] for r in runs] == ["gloo", "gloo-upstream", "ddp"]
     for r in runs:
         assert sorted(x["rank"] for x in r["ranks"]) == [0, 1]
         # The wall time of the idle sleep is at least what was asked, and no rank used more CPU in
         # it than its threads could (its compute thread plus Horovod's or Gloo's own).
         assert all(x["idle_wall_s"] >= 0.5 and 0 <= x["idle_cpu_s"] < 4 * x["idle_wall_s"] for x in r["ranks"])
         assert all(x["back_to_back_ms"] > 0 and x["after_pause_ms"] > 0 for x in r["ranks"])
+        # The last rank is the late one; the other waited for it.
+        assert [x["late_peer_core_share"] is None for x in sorted(r["ranks"], key=lambda x: x["rank"])] == [False, True]
     summary = {r["way"]: r for r in recs if r["bench"] == "idle"}
     assert set(summary) == {r["way"] for r in runs} and all(s["launches"] == 1 for s in summary.values())
-    bad = run([CLI, "bench", "idle", "--idle-sleep", "-1"], check=False)
-    assert bad.returncode == 2 and bad.stdout.strip().splitlines()[-1] == (
-        "hvdtrain: error: --idle-sleep '-1' is not allowed; give milliseconds >= 0 (0: upstream loop)")
+    # Upstream, the waiting rank's synchronize yields in a loop: about a core while it waits.
+    assert summary["gloo-upstream"]["late_peer_core_share"] > 0.5
+    assert summary["gloo"]["late_peer_core_share"] < 0.2
+    bad = run([CLI, "bench", "idle", "--controllers", "gloo-fast"], check=False)
+    assert bad.returncode == 2 and bad.stdout.strip().splitlines()[-1].startswith(
+        "hvdtrain: error: --controllers 'gloo-fast' is not allowed; choose from gloo, mpi, gloo-cycling, ")

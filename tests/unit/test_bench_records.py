@@ -1,6 +1,6 @@
 """Benchmark records survive horovodrun's output mangling."""
 
-from hvdtrain.bench.train import records
+from hvdtrain.bench.launching import records
 
 
 def test_records_are_found_in_tagged_and_glued_launcher_output():
