@@ -8,7 +8,9 @@ step and bisected on failure. Every rank runs the same sizes in the same order: 
 (an OOM on any rank, the most bytes any rank held) is agreed in one small allreduce before the next
 size is chosen, since under ZeRO-3 a trial's forward and backward are themselves collectives (the
 parameter allgathers, the gradient reduce-scatters), which a rank trying another size would leave
-waiting. The agreement costs one 2-value allreduce a trial (~15 trials). On GPU memory is the allocator's
+waiting. The agreement costs one 3-value allreduce a trial (~15 trials); its third value says a rank
+raised something other than an OOM, so every rank raises instead of the others waiting for a trial
+that rank never runs. On GPU memory is the allocator's
 peak and an OOM is real; on CPU it is what the step holds (parameters, gradients, optimizer state and
 the tensors autograd saves for backward) against a budget, and the fault injector
 (hvdtrain/faults.py) raises a real `torch.OutOfMemoryError` so the failure path runs on CPU too.
@@ -28,6 +30,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hvdtrain.common import free_after_oom, is_oom, num_samples, rng_state, set_rng_state, to_device
 from hvdtrain.config import AdaptiveConfig
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.faults import FaultInjector
 from hvdtrain.step import checked
 from hvdtrain.world import World
@@ -115,6 +118,7 @@ class Prober:
 
         used: int | None = None
         elapsed = 0.0
+        error: Exception | None = None
         try:
             start = time.perf_counter()
             used = self.measure.run(fn)
@@ -122,14 +126,20 @@ class Prober:
             # one run can be stretched by a neighbour; a single slow sample priced a size out of every
             # later decision, since the controller only re-times the micro-batch it runs.
             elapsed = time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - only OOMs are expected here
-            if not is_oom(exc):
-                raise
-            del exc  # the traceback holds the activations
-            free_after_oom(self.model, self.device)
+        except Exception as exc:  # noqa: BLE001 - an OOM is a result; anything else is raised below
+            if is_oom(exc):
+                del exc  # the traceback holds the activations
+                free_after_oom(self.model, self.device)
+            else:
+                error = exc  # raised after the agreement: the peers are waiting in it
         if self.reducer is not None:
             self.reducer.probe_trial_done(oom=used is None)
-        used = self._agree(used)
+        used, elsewhere = self._agree(used, error is not None)
+        if error is not None:
+            raise error
+        if elsewhere:
+            raise HvdtrainError(f"the memory probe failed on another rank at micro-batch {m} (not out of "
+                                "memory); that rank's output has the error")
         if used is not None:
             self.seconds[m] = min(elapsed, self.seconds.get(m, float("inf")))
             self.runs[m] = self.runs.get(m, 0) + 1
@@ -141,13 +151,14 @@ class Prober:
         self.model.zero_grad(set_to_none=True)
         return used
 
-    def _agree(self, used: int | None) -> int | None:
-        """[failed, bytes] maximised over ranks: None if any rank failed, else the most bytes."""
+    def _agree(self, used: int | None, error: bool) -> tuple[int | None, bool]:
+        """[failed, bytes, error] maximised over ranks: (None if any rank failed, else the most
+        bytes; whether any rank raised something other than an OOM)."""
         if self.world is None or self.world.size == 1:
-            return used
-        local = torch.tensor([1.0 if used is None else 0.0, float(used or 0)], dtype=torch.float64)
-        failed, most = self.world.allreduce(local, name="hvdtrain.adaptive.probe.trial", op="max").tolist()
-        return None if failed > 0 else int(most)
+            return used, False
+        local = torch.tensor([1.0 if used is None else 0.0, float(used or 0), float(error)], dtype=torch.float64)
+        failed, most, errors = self.world.allreduce(local, name="hvdtrain.adaptive.probe.trial", op="max").tolist()
+        return (None if failed > 0 else int(most)), errors > 0
 
     def largest(self, start: int, limit: int, budget: int, margin: float) -> int:
         """Fit mem(m) = a + c·m at two sizes, predict, verify, bisect on failure."""

@@ -1,6 +1,7 @@
 """Adaptive batch sizing under horovodrun at any world size (and plainly, as size 1)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.utils.data import Dataset
 import hvdtrain
 from hvdtrain.adaptive.probe import Prober, probe
 from hvdtrain.config import AdaptiveConfig, CheckpointConfig, FaultsConfig
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.faults import FaultInjector
 from hvdtrain.tasks import classification_loss
 
@@ -145,6 +147,30 @@ def test_probe_agrees_on_the_smallest_cap_when_one_rank_fails_above_it(world):
     every = world.allgather_object((result.cap, result.preferred), name="t.adaptive.probe")
     assert all(e == (6, every[0][1]) for e in every) and 1 <= result.preferred <= 6
     assert torch.equal(flat_params(model), before) and not optimizer.state  # the probe left no trace
+
+
+def test_probe_raises_on_every_rank_when_one_rank_fails_otherwise(world):
+    # An error that is not an OOM on one rank: that rank raises it, the others a line pointing at it,
+    # after the trial's agreement, so no rank is left waiting in a collective the failed rank skips.
+    bad = world.size - 1
+
+    def loss(model, batch):
+        if world.rank == bad and len(batch[1]) > 4:
+            raise ValueError("a label out of range")
+        return classification_loss(model, batch)
+
+    model = mlp(seed=6)
+    prober = Prober(model, torch.optim.Adam(model.parameters(), lr=1e-3), blobs(n=64), loss, world.device,
+                    FaultInjector(FaultsConfig(), world.rank), world)
+    with pytest.raises(Exception) as info:
+        probe(world, AdaptiveConfig(enabled=True, memory_budget_mb=256), prober, start=2, limit=32)
+    if world.rank == bad:
+        assert info.type is ValueError
+    else:
+        found = re.fullmatch(r"the memory probe failed on another rank at micro-batch (\d+) \(not out of "
+                             r"memory\); that rank's output has the error", str(info.value))
+        assert info.type is HvdtrainError and found and int(found[1]) > 4, info.value
+    world.barrier()  # every rank is past the probe's collectives
 
 
 @pytest.mark.parametrize("stop", [4, 5])  # 4: a decision step, its broadcast still in flight at the checkpoint
