@@ -185,13 +185,14 @@ class CommConfig:
     error_feedback: bool = False  # carry each rank's compression error into its next gradient
     bucket_mb: float = 25.0  # gradient bucket size; a bucket's collective starts when it is complete
     auto_steps: int = 6  # steps timed per candidate when compression=auto (after 2 warm-up steps)
-    # horovod: every bucket through Horovod; mpi: fp32 buckets straight to MPI_Iallreduce (mpi4py), with
-    # no per-collective negotiation (MPI controller, CPU tensors, a fixed layout; hvdtrain/comm/compression.py, Direct)
+    # horovod: every bucket through Horovod; mpi: fp32 buckets straight to MPI_Iallreduce (mpi4py; MPI
+    # controller); gloo: to a torch.distributed Gloo group (DDP's path); both with no per-collective
+    # negotiation (CPU tensors, a fixed layout; hvdtrain/comm/compression.py, Direct)
     transport: str = "horovod"
 
     def __post_init__(self) -> None:
         _choice("comm", "compression", self.compression, COMPRESSION)
-        _choice("comm", "transport", self.transport, ("horovod", "mpi"))
+        _choice("comm", "transport", self.transport, ("horovod", "mpi", "gloo"))
         if self.bucket_mb <= 0:
             raise ConfigError(f"comm.bucket_mb={self.bucket_mb!r} must be > 0")
         _at_least("comm", "auto_steps", self.auto_steps, 1)

@@ -225,9 +225,9 @@ def _check_transport(c: Any) -> None:
     changes = [("memory.zero_stage", c.memory.zero_stage), ("adaptive.enabled", c.adaptive.enabled),
                ("elastic.enabled", c.elastic.enabled), ("parallel.pipeline_stages", c.parallel.pipeline_stages > 1)]
     used = [name for name, on in changes if on]
-    if c.comm.transport == "mpi" and used:
-        raise ConfigError(f"comm.transport=mpi cannot be combined with {used[0]} (its bucket layout changes or "
-                          "lives in process sets); use comm.transport=horovod")
+    if c.comm.transport != "horovod" and used:
+        raise ConfigError(f"comm.transport={c.comm.transport} cannot be combined with {used[0]} (its bucket layout "
+                          "changes or lives in process sets); use comm.transport=horovod")
 
 
 def _check_pipeline(c: Any) -> None:

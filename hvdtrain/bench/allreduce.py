@@ -19,7 +19,7 @@ from hvdtrain.comm.compression import make_codec
 from hvdtrain.common import num_samples
 from hvdtrain.world import World
 
-MODES = ("fp32", "fp16", "bf16", "hvd-fp16", "fp32-direct")  # fp32-direct: MPI_Iallreduce (comm.transport=mpi)
+MODES = ("fp32", "fp16", "bf16", "hvd-fp16", "fp32-direct")  # fp32-direct: comm.transport=mpi|gloo (as the controller)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -53,15 +53,16 @@ def _reducer(world: World, mode: str) -> Callable[[torch.Tensor, str], None]:
         from hvdtrain.bench.baseline import horovod_fp16_allreduce
 
         return horovod_fp16_allreduce
-    direct = None
-    if mode == "fp32-direct":
-        from hvdtrain.comm.mpi import mpi_comm
-        from hvdtrain.errors import ConfigError
+    direct: Any = None
+    if mode == "fp32-direct":  # the controller's own direct path: comm.transport=mpi under MPI, gloo under Gloo
+        if world.controller == "mpi":
+            from hvdtrain.comm.mpi import MpiPath
 
-        if world.controller != "mpi":
-            raise ConfigError("--modes fp32-direct needs Horovod's MPI controller (horovodrun --mpi)")
+            direct = MpiPath(world.rank)  # every rank makes it, at the same point
+        else:
+            from hvdtrain.comm.gloo import GlooPath
 
-        direct = mpi_comm(world.rank)  # every rank makes it, at the same point
+            direct = GlooPath(world)
     codec = make_codec({"fp32": "none", "fp32-direct": "none"}.get(mode, mode), world, direct)
 
     def reduce(x: torch.Tensor, name: str) -> None:

@@ -26,16 +26,19 @@ from hvdtrain.bench.launching import VARIANTS, controller, horovodrun, launch, v
 from hvdtrain.errors import ConfigError
 
 MODES = ("hvdtrain", "horovod", "ddp")
-# mpi-direct: hvdtrain under the MPI controller with comm.transport=mpi (fp32 buckets straight to MPI);
-# the variants (hvdtrain.bench.launching.VARIANTS) switch one of our Horovod patches back to upstream.
-CONTROLLERS = ("gloo", "mpi", "mpi-direct") + tuple(f"{c}-{v}" for v in VARIANTS for c in ("gloo", "mpi"))
+# mpi-direct, gloo-direct: hvdtrain with comm.transport=mpi|gloo (fp32 buckets straight to MPI, or to a
+# torch.distributed Gloo group, no Horovod negotiation); the variants (hvdtrain.bench.launching.VARIANTS)
+# switch one of our Horovod patches back to upstream.
+CONTROLLERS = ("gloo", "mpi", "mpi-direct", "gloo-direct") + tuple(
+    f"{c}-{v}" for v in VARIANTS for c in ("gloo", "mpi"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default="synthetic,digits,pylm", help="built-in tasks, comma-separated")
     p.add_argument("--np", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--controllers", default="gloo,mpi",
-                   help="Horovod controllers for hvdtrain and horovod; mpi-direct: hvdtrain with comm.transport=mpi; "
+                   help="Horovod controllers for hvdtrain and horovod; mpi-direct, gloo-direct: hvdtrain with "
+                        "comm.transport=mpi|gloo; "
                         "gloo|mpi-cycling: Horovod's upstream background loop; -yielding: its upstream "
                         "synchronize; -upstream: both")
     p.add_argument("--modes", default="hvdtrain,horovod,ddp", help="which ways to run")
@@ -115,8 +118,8 @@ def _command(mode: str, ctrl: str, np: int, task: str, args: argparse.Namespace,
              plan: dict[str, Any]) -> list[list[str]]:
     worker = ["-m", "hvdtrain.bench.loops", "--mode", mode, "--task", task, "--steps", str(args.steps),
               "--warmup", str(args.warmup)] + [a for kv in args.overrides for a in ("--set", kv)]
-    if ctrl == "mpi-direct":
-        worker += ["--set", "comm.transport=mpi"]
+    if ctrl.endswith("-direct"):
+        worker += ["--set", f"comm.transport={controller(ctrl)}"]
     hosts = plan["hosts"].get(np)
     if mode == "ddp" and hosts:
         return _ddp_over_ssh(hosts, worker, args, plan["env"])
@@ -145,7 +148,7 @@ def _ddp_over_ssh(hosts: list[Any], worker: list[str], args: argparse.Namespace,
 def _ways(plan: dict[str, Any]) -> list[tuple[str, str]]:
     """(mode, controller) pairs; DDP does not use a Horovod controller and runs once per round."""
     return [(m, c) for m in plan["modes"] if m != "ddp" for c in plan["controllers"]
-            if not (m == "horovod" and c == "mpi-direct")] + \
+            if not (m == "horovod" and c.endswith("-direct"))] + \
         [("ddp", "torch") for m in plan["modes"] if m == "ddp"]
 
 

@@ -31,16 +31,20 @@ def make_reducer(world: World, model: nn.Module, cfg: Config, codec: str | None 
 
 
 def _direct(world: World, model: nn.Module, transport: str) -> Any:
-    """comm.transport=mpi: the MPI communicator for the direct path; None for Horovod's. The checks
+    """comm.transport=mpi|gloo: the path for the direct fp32 buckets; None for Horovod's. The checks
     give every rank the same answer (controller and device are alike across ranks)."""
-    if transport != "mpi" or world.size == 1:
+    if transport == "horovod" or world.size == 1:
         return None
-    if world.controller != "mpi" or world.members:
-        raise ConfigError("comm.transport=mpi needs Horovod's MPI controller over the whole world (horovodrun "
-                          "--mpi or hvdtrain launch); use comm.transport=horovod")
+    if world.members or (transport == "mpi" and world.controller != "mpi"):
+        need = "Horovod's MPI controller over" if transport == "mpi" else "a Horovod job over"
+        raise ConfigError(f"comm.transport={transport} needs {need} the whole world (horovodrun "
+                          f"{'--mpi ' if transport == 'mpi' else ''}or hvdtrain launch); use comm.transport=horovod")
     if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ConfigError("comm.transport=mpi reduces CPU tensors only (no CUDA-aware MPI here); use "
-                          "comm.transport=horovod on GPUs")
-    from hvdtrain.comm.mpi import mpi_comm
+        raise ConfigError(f"comm.transport={transport} reduces CPU tensors only; use comm.transport=horovod on GPUs")
+    if transport == "gloo":
+        from hvdtrain.comm.gloo import GlooPath
 
-    return mpi_comm(world.rank)
+        return GlooPath(world)
+    from hvdtrain.comm.mpi import MpiPath
+
+    return MpiPath(world.rank)

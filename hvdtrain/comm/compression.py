@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from hvdtrain.comm.mpi import mpi
 from hvdtrain.metrics import TrainLog
 from hvdtrain.world import World
 
@@ -174,41 +173,38 @@ class BF16(Codec):
 
 
 class Direct(Codec):
-    """`comm.transport=mpi`: fp32 buckets averaged by MPI itself (mpi4py `Iallreduce` in place on the
-    bucket's memory; Sum, then x 1/N as Horovod's Average does), not handed to Horovod.
+    """`comm.transport=mpi|gloo`: fp32 buckets summed by MPI (mpi4py `Iallreduce`, `MpiPath`) or by a
+    torch.distributed Gloo group (`GlooPath`, DDP's data path) in place on the bucket's memory, then
+    x 1/N as Horovod's Average does, instead of handed to Horovod.
 
     A Horovod collective waits for the next cycle of its background thread (1 ms by default) and a
     negotiation round among all ranks before it starts; for a layout that never changes (the same
     buckets in the same order every step) that round decides nothing new. Safe without it because
     every rank launches the buckets in index order (`ordered`: the reducer holds back a bucket that
-    backward completed early until those before it have gone), so the collectives on the shared
-    communicator pair up. Only where the layout is fixed and MPI can read the memory: the MPI
-    controller, CPU tensors, no ZeRO, adaptive batch, elastic world or pipeline (the config and
-    `make_reducer` refuse the rest). Measured (7 December 2026, 2 ranks, MPI): a 4 KiB allreduce
-    0.11 ms against Horovod's 1.07 ms; 4 MiB 2.03 ms against 1.84 ms (Open MPI's nonblocking
-    allreduce is slower for large buffers); see docs/bench-train.md."""
+    backward completed early until those before it have gone), so the collectives pair up. Only
+    where the layout is fixed and the path can read the memory: CPU tensors, no ZeRO, adaptive batch,
+    elastic world or pipeline (the config and `make_reducer` refuse the rest). Measured (7 December
+    2026, 2 ranks, MPI): a 4 KiB allreduce 0.11 ms against Horovod's 1.07 ms; 4 MiB 2.03 ms against
+    1.84 ms (Open MPI's nonblocking allreduce is slower for large buffers); see docs/bench-train.md."""
 
     ordered = True
 
-    def __init__(self, world: World, comm: Any) -> None:
+    def __init__(self, world: World, path: Any) -> None:
         super().__init__(world)
-        self.comm = comm
+        self.path = path
 
     def launch(self, bucket: torch.Tensor, name: str, want_sent: bool = False) -> Pending:
-        MPI = mpi()
-        request = self.comm.Iallreduce(MPI.IN_PLACE, [bucket.numpy(), MPI.FLOAT], op=MPI.SUM)
-        request.Test()  # a first push: Open MPI progresses a nonblocking collective only inside MPI calls
-        return Pending(request, None, bucket.numel(), name, out=bucket)
+        return Pending(self.path.start(bucket), None, bucket.numel(), name, out=bucket)
 
     def finish(self, pending: Pending) -> torch.Tensor:
-        pending.handle.Wait()
+        self.path.wait(pending.handle)
         assert pending.out is not None
         return pending.out.mul_(1.0 / self.n)
 
 
 def make_codec(name: str, world: World, direct: Any = None) -> Codec:
-    """Codec `name`; with `direct` (an MPI communicator, comm.transport=mpi) fp32 buckets bypass
-    Horovod (`Direct`); fp16 and bf16 still go through Horovod (MPI has no fp16 sum)."""
+    """Codec `name`; with `direct` (an `MpiPath` or `GlooPath`, comm.transport=mpi|gloo) fp32 buckets
+    bypass Horovod (`Direct`); fp16 and bf16 still go through Horovod."""
     if name == "none" and direct is not None:
         return Direct(world, direct)
     return {"none": Codec, "fp16": FP16, "bf16": BF16}[name](world)

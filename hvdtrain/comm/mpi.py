@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hvdtrain.errors import EnvironmentProblem
 
 
@@ -28,6 +30,26 @@ def mpi_comm(rank: int) -> Any:
         raise EnvironmentProblem(f"MPI rank {MPI.COMM_WORLD.Get_rank()} is Horovod rank {rank}: Horovod was "
                                  "initialised on another communicator than MPI_COMM_WORLD")
     return MPI.COMM_WORLD.Dup()
+
+
+class MpiPath:
+    """fp32 Sum allreduces on a duplicate of MPI_COMM_WORLD (mpi4py `Iallreduce` in place)."""
+
+    def __init__(self, rank: int) -> None:
+        self.comm = mpi_comm(rank)
+
+    def start(self, tensor: torch.Tensor) -> Any:
+        """Start a Sum over ranks in place; every rank must start the same tensors in the same order."""
+        MPI = mpi()
+        request = self.comm.Iallreduce(MPI.IN_PLACE, [tensor.numpy(), MPI.FLOAT], op=MPI.SUM)
+        request.Test()  # a first push: Open MPI progresses a nonblocking collective only inside MPI calls
+        return request
+
+    def wait(self, handle: Any) -> None:
+        handle.Wait()
+
+    def close(self) -> None:
+        self.comm.Free()
 
 
 def mpi() -> Any:

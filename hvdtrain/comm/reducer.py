@@ -41,7 +41,7 @@ class HookedBuckets:
     _armed: bool
     _held: int | None = None  # a bucket the hooks never launch: `synchronize` (or `launch_rest`) does
     sync_s: float = 0.0  # seconds spent in `synchronize`, since the reducer was made
-    _direct: Any = None  # comm.transport=mpi: the MPI communicator fp32 buckets go over
+    _direct: Any = None  # comm.transport=mpi|gloo: the path fp32 buckets go over (MpiPath, GlooPath)
     _next = 0  # ordered codecs: the bucket to launch next this step
     _complete: set[int] = set()  # ordered codecs: buckets complete but held until those before have gone
 
@@ -307,7 +307,7 @@ class GradReducer(HookedBuckets):
         for h in self._hooks:
             h.remove()
         if self._direct is not None:
-            self._direct.Free()
+            self._direct.close()
             self._direct = None
 
 

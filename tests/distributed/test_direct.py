@@ -1,5 +1,6 @@
-"""comm.transport=mpi (fp32 buckets straight to MPI_Iallreduce) against Horovod's path and plain
-single-process PyTorch, at any world size; under Gloo, the refusal."""
+"""The direct paths, comm.transport=mpi (fp32 buckets straight to MPI_Iallreduce) and gloo (to a
+torch.distributed Gloo group), against Horovod's path and plain single-process PyTorch, at any world
+size; mpi under Gloo, the refusal."""
 
 import dataclasses
 
@@ -19,24 +20,25 @@ def cfg_with(transport, bucket_mb=25.0, compression="none"):
     return dataclasses.replace(cfg, comm=CommConfig(transport=transport, bucket_mb=bucket_mb, compression=compression))
 
 
-@pytest.fixture
-def mpi_world(world):
-    if world.controller != "mpi":
-        pytest.skip("the direct path is MPI's")
-    return world
+@pytest.fixture(params=["mpi", "gloo"])
+def transport(request, world):
+    """A direct path this world can run: MPI's needs the MPI controller; Gloo's runs under either."""
+    if request.param == "mpi" and world.controller != "mpi":
+        pytest.skip("the MPI path needs Horovod's MPI controller")
+    return request.param
 
 
-def test_direct_path_matches_horovod_and_single_process(mpi_world):
+def test_direct_path_matches_horovod_and_single_process(world, transport):
     data = blobs()
     runs = {}
-    for transport in ("horovod", "mpi"):
+    for way in ("horovod", transport):
         model = mlp(seed=0)
         # Tiny buckets: several collectives a step, launched while backward runs.
-        hvdtrain.fit(mpi_world, model, None, data, cfg_with(transport, bucket_mb=0.0005))
-        runs[transport] = flat_params(model)
-    torch.testing.assert_close(runs["mpi"], runs["horovod"], rtol=1e-6, atol=1e-7)
-    reference = plain_pytorch_reference(mpi_world.size, small_config(), data)
-    torch.testing.assert_close(runs["mpi"], flat_params(reference), rtol=1e-5, atol=1e-6)
+        hvdtrain.fit(world, model, None, data, cfg_with(way, bucket_mb=0.0005))
+        runs[way] = flat_params(model)
+    torch.testing.assert_close(runs[transport], runs["horovod"], rtol=1e-6, atol=1e-7)
+    reference = plain_pytorch_reference(world.size, small_config(), data)
+    torch.testing.assert_close(runs[transport], flat_params(reference), rtol=1e-5, atol=1e-6)
 
 
 class Backwards(nn.Module):
@@ -52,19 +54,19 @@ class Backwards(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-def test_direct_path_launches_buckets_in_index_order_whatever_backward_does(mpi_world):
+def test_direct_path_launches_buckets_in_index_order_whatever_backward_does(world, transport):
     data = blobs()
     runs = {}
-    for transport in ("horovod", "mpi"):
+    for way in ("horovod", transport):
         model = Backwards()
-        hvdtrain.fit(mpi_world, model, None, data, cfg_with(transport, bucket_mb=0.0001))
-        runs[transport] = flat_params(model)
-    torch.testing.assert_close(runs["mpi"], runs["horovod"], rtol=1e-6, atol=1e-7)
+        hvdtrain.fit(world, model, None, data, cfg_with(way, bucket_mb=0.0001))
+        runs[way] = flat_params(model)
+    torch.testing.assert_close(runs[transport], runs["horovod"], rtol=1e-6, atol=1e-7)
 
 
-def test_direct_path_keeps_fp16_compression_on_horovod(mpi_world):
+def test_direct_path_keeps_fp16_compression_on_horovod(world, transport):
     model = mlp(seed=0)
-    result = hvdtrain.fit(mpi_world, model, None, blobs(), cfg_with("mpi", compression="fp16"))
+    result = hvdtrain.fit(world, model, None, blobs(), cfg_with(transport, compression="fp16"))
     assert result.step > 0 and torch.isfinite(flat_params(model)).all()
 
 

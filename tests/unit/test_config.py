@@ -52,6 +52,11 @@ def test_bad_values_name_field_and_allowed(override, message):
       "optim.milestones=10"], "adaptive.lr_rule adascale or linear (got schedule='step', lr_rule='sqrt')"),
     (["adaptive.enabled=true", "data.num_workers=2"],
      "data.num_workers=2 cannot be combined with adaptive.enabled=true (the batch shape changes between steps)"),
+    (["comm.transport=tcp"], "comm.transport='tcp' is not allowed; choose one of horovod, mpi, gloo"),
+    (["comm.transport=gloo", "memory.zero_stage=2"],
+     "comm.transport=gloo cannot be combined with memory.zero_stage (its bucket layout changes or lives in "
+     "process sets); use comm.transport=horovod"),
+    (["comm.transport=mpi", "adaptive.enabled=true"], "comm.transport=mpi cannot be combined with adaptive.enabled"),
 ])
 def test_schedule_and_policy_combinations_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError) as info:
