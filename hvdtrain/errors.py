@@ -23,3 +23,8 @@ class EnvironmentProblem(HvdtrainError):
 
 class TrainingStopped(HvdtrainError):
     """Training stopped on purpose (e.g. too many non-finite steps in a row), on every rank together."""
+
+
+class PeerLost(Exception):
+    """A collective outside Horovod (the direct gradient paths) failed because another rank exited,
+    hung past the timeout or lost its connection: reported like Horovod's own shutdown."""

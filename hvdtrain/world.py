@@ -19,7 +19,7 @@ import torch
 
 from hvdtrain.allocator import pin_malloc
 from hvdtrain.console import whole_lines
-from hvdtrain.errors import EnvironmentProblem
+from hvdtrain.errors import EnvironmentProblem, PeerLost
 
 OPS = ("sum", "average", "max", "min")
 
@@ -41,6 +41,8 @@ def _horovod() -> Any:
 def lost_peer(exc: BaseException) -> bool:
     """True if `exc` is Horovod shutting down under this rank because another rank died or lost its
     connection (its traceback says nothing the launcher's "first process to exit" line does not)."""
+    if isinstance(exc, PeerLost):
+        return True
     exceptions = sys.modules.get("horovod.common.exceptions")
     return exceptions is not None and isinstance(exc, exceptions.HorovodInternalError)
 

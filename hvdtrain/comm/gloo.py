@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hvdtrain.errors import EnvironmentProblem
+from hvdtrain.errors import EnvironmentProblem, PeerLost
 from hvdtrain.world import World
 
 
@@ -63,7 +63,10 @@ class GlooPath:
         return self.group.allreduce([tensor])
 
     def wait(self, handle: Any) -> None:
-        handle.wait()
+        try:
+            handle.wait()
+        except RuntimeError as exc:  # torch's DistBackendError and DistNetworkError among them
+            raise PeerLost(f"the direct Gloo allreduce failed: {exc}") from exc
 
     def close(self) -> None:
         # Shut down before exit: a group still alive at interpreter teardown races its I/O threads.

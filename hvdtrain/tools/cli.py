@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         from hvdtrain.outputs import launch_rank
 
         print(f"hvdtrain: rank {launch_rank(os.environ)}: error: another rank exited or lost its connection, so "
-              "Horovod shut down here (the launcher's output names the rank that exited first, or the host that "
+              "this rank cannot go on (the launcher's output names the rank that exited first, or the host that "
               "went down); fix its cause and rerun with --resume auto to continue from the last checkpoint",
               file=sys.stderr, flush=True)
         return EXIT_FAILED

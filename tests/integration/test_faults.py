@@ -141,10 +141,12 @@ def test_a_checkpoint_into_a_full_disk_keeps_latest_and_follows_on_error(full_di
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000005"]  # no temp folder left
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_a_rank_that_dies_ends_the_job_with_one_line_naming_it(controller, tmp_path):
+@pytest.mark.parametrize("controller, transport", [("gloo", "horovod"), ("mpi", "horovod"), ("gloo", "gloo")])
+def test_a_rank_that_dies_ends_the_job_with_one_line_naming_it(controller, transport, tmp_path):
+    # transport=gloo: the survivor waits in torch's Gloo, not in Horovod, and says the same.
     cmd = [CLI, "launch", "--no-preflight", "--hosts", "localhost:2", "--controller", controller, "--",
-           str(BIN / "python"), str(HERE / "scripts" / "slow_train.py"), "0", *TRAIN, "--out", str(tmp_path / "run")]
+           str(BIN / "python"), str(HERE / "scripts" / "slow_train.py"), "0", *TRAIN, "--out", str(tmp_path / "run"),
+           "--set", f"comm.transport={transport}"]
     res = run(cmd, check=False, timeout=180, env=env(EXIT_AT="5"))
     assert res.returncode != 0 and "Traceback" not in res.stdout, res.stdout[-3000:]
     assert ("hvdtrain: launch: rank 1 exited first with code 3, and the other ranks were stopped; its lines above "
