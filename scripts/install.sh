@@ -97,7 +97,7 @@ keep_torch_wheels() {
   local dir urls
   dir=$CACHE/wheels/torch-$TORCH_VERSION-$("$VPY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')-${CUDA:-cpu}
   # A list naming a file that is gone (a copied cache, a cleaned wheel folder) is resolved again.
-  if [ -f "$dir/wheels.txt" ] && ! "$VPY" -c 'import os, sys; sys.exit(not all(map(os.path.exists, open(sys.argv[1]).read().split())))' "$dir/wheels.txt"; then
+  if [ -f "$dir/wheels.txt" ] && ! "$VPY" -c 'import os, sys; sys.exit(not all(map(os.path.exists, open(sys.argv[1]).read().splitlines())))' "$dir/wheels.txt"; then
     rm -f "$dir/wheels.txt"
   fi
   if ! [ -f "$dir/wheels.txt" ]; then
