@@ -45,7 +45,11 @@ class GlooPath:
         # hostname's address, as torchrun's rendezvous would use.
         iface = os.environ.get("HOROVOD_GLOO_IFACE")
         here = _interface_address(iface) if iface else socket.gethostbyname(socket.gethostname())
-        timeout = datetime.timedelta(seconds=float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", 30)))
+        # torch's own default (30 min), not Horovod's 30 s: Horovod's thread keeps cycling while a
+        # peer is busy (a checkpoint, an evaluation), but this allreduce waits for the peer itself.
+        # A peer that died breaks the connection at once; one that hangs is the watchdog's
+        # (train.stall_timeout).
+        timeout = datetime.timedelta(minutes=30)
         master = TCPStore(here, 0, world.size, is_master=True, wait_for_workers=False,
                           timeout=timeout) if world.rank == 0 else None
         where = (here, master.port) if master is not None else None
