@@ -35,32 +35,57 @@ def _interface_address(name: str) -> str:
 class GlooPath:
     """fp32 Sum allreduces on a torch.distributed Gloo process group over the whole world."""
 
+    # Setting up waits at most this long for a peer; a rank that failed is then agreed on by all.
+    SETUP = datetime.timedelta(seconds=60)
+    # torch's own default, not Horovod's 30 s: Horovod's thread keeps cycling while a peer is busy
+    # (a checkpoint, an evaluation), but this allreduce waits for the peer itself. A peer that died
+    # breaks the connection at once; one that hangs is the watchdog's (train.stall_timeout).
+    TIMEOUT = datetime.timedelta(minutes=30)
+
     def __init__(self, world: World) -> None:
         from torch.distributed import ProcessGroupGloo as Gloo
         from torch.distributed import TCPStore
 
         gloo: Any = Gloo  # its options and allreduce are not in torch's type stubs
-
         # horovodrun names the interface every host shares (Horovod's Gloo uses it); without it the
         # hostname's address, as torchrun's rendezvous would use.
         iface = os.environ.get("HOROVOD_GLOO_IFACE")
-        here = _interface_address(iface) if iface else socket.gethostbyname(socket.gethostname())
-        # torch's own default (30 min), not Horovod's 30 s: Horovod's thread keeps cycling while a
-        # peer is busy (a checkpoint, an evaluation), but this allreduce waits for the peer itself.
-        # A peer that died breaks the connection at once; one that hangs is the watchdog's
-        # (train.stall_timeout).
-        timeout = datetime.timedelta(minutes=30)
-        master = TCPStore(here, 0, world.size, is_master=True, wait_for_workers=False,
-                          timeout=timeout) if world.rank == 0 else None
-        where = (here, master.port) if master is not None else None
-        host, port = world.broadcast_object(where, name="hvdtrain.gloo.store")
-        self.store = master if master is not None else TCPStore(host, port, world.size, is_master=False,
-                                                                timeout=timeout)
-        options = gloo._Options()
-        options._timeout = timeout
-        options._devices = [gloo.create_device(interface=iface) if iface
-                            else gloo.create_device(hostname=here)]
-        self.group: Any = gloo(self.store, world.rank, world.size, options)
+        # Every step that can fail on one rank is followed by an agreement (one Horovod collective),
+        # so a rank that failed never leaves the others waiting for it in the store or the group.
+        master, where, error = None, None, ""
+        try:
+            here = _interface_address(iface) if iface else socket.gethostbyname(socket.gethostname())
+            device = gloo.create_device(interface=iface) if iface else gloo.create_device(hostname=here)
+            if world.rank == 0:
+                master = TCPStore(here, 0, world.size, is_master=True, wait_for_workers=False, timeout=self.SETUP)
+                where = (here, master.port)
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            error = f"rank {world.rank}: {exc}"
+        every = world.allgather_object((where, error), name="hvdtrain.gloo.store")
+        self._agree([e for _, e in every], master)
+        try:
+            host, port = every[0][0]
+            self.store = master if master is not None else TCPStore(host, port, world.size, is_master=False,
+                                                                    timeout=self.SETUP)
+            options = gloo._Options()
+            options._timeout = self.SETUP
+            options._devices = [device]
+            self.group: Any = gloo(self.store, world.rank, world.size, options)
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            error = f"rank {world.rank}: {exc}"
+        self._agree(world.allgather_object(error, name="hvdtrain.gloo.ready"), getattr(self, "group", None))
+        self.group.set_timeout(self.TIMEOUT)
+
+    @staticmethod
+    def _agree(errors: list[str], made: Any) -> None:
+        """Raise on every rank if any rank failed (the first failure named), closing what this rank made."""
+        errors = [e for e in errors if e]
+        if not errors:
+            return
+        if made is not None and hasattr(made, "shutdown"):
+            made.shutdown()
+        raise EnvironmentProblem(f"comm.transport=gloo could not set up its Gloo group ({errors[0]}); "
+                                 "use comm.transport=horovod")
 
     def start(self, tensor: torch.Tensor) -> Any:
         """Start a Sum over ranks in place; every rank must start the same tensors in the same order."""

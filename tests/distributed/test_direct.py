@@ -12,7 +12,7 @@ from torch import nn
 
 import hvdtrain
 from hvdtrain.config import CommConfig
-from hvdtrain.errors import ConfigError
+from hvdtrain.errors import ConfigError, EnvironmentProblem
 
 
 def cfg_with(transport, bucket_mb=25.0, compression="none"):
@@ -75,3 +75,18 @@ def test_direct_path_is_refused_under_gloo(world):
         pytest.skip("the refusal is Gloo's, with peers")
     with pytest.raises(ConfigError, match="comm.transport=mpi needs Horovod's MPI controller"):
         hvdtrain.fit(world, mlp(seed=0), None, blobs(), cfg_with("mpi"))
+
+
+def test_gloo_path_that_fails_to_set_up_on_one_rank_fails_on_every_rank(world, monkeypatch):
+    # Each setup step is agreed, so the others raise too instead of waiting for that rank's store key.
+    if world.size == 1:
+        pytest.skip("the direct path runs only with peers")
+    bad = world.size - 1
+    if world.rank == bad:
+        monkeypatch.setenv("HOROVOD_GLOO_IFACE", "nosuchif0")
+    with pytest.raises(EnvironmentProblem) as info:
+        hvdtrain.fit(world, mlp(seed=0), None, blobs(), cfg_with("gloo"))
+    assert str(info.value).startswith(f"comm.transport=gloo could not set up its Gloo group (rank {bad}: "
+                                      "HOROVOD_GLOO_IFACE=nosuchif0 has no IPv4 address on "), info.value
+    assert str(info.value).endswith("); use comm.transport=horovod")
+    world.barrier()  # every rank is past the setup's collectives
