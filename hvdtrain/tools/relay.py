@@ -228,7 +228,7 @@ def _copy(src: IO[str], dst: IO[str], exits: Exits) -> None:
 
 def summary(exits: Exits, rc: int, stopped_code: int) -> str | None:
     """One line on how the run ended, when a rank failed."""
-    if rc != 0 and exits.too_few is not None:
+    if exits.too_few is not None:  # the job stopped short, whatever horovodrun's own exit code
         low, seconds = exits.too_few
         return (f"hvdtrain: launch: fewer than --min-np {low} workers were left for {seconds} s (--elastic-timeout), "
                 "so the elastic job stopped; add hosts (or lower --min-np) and rerun with --resume auto to "
@@ -282,6 +282,10 @@ def _run(cmd: list[str], env: dict[str, str], hosts: Sequence[Host], local: Sequ
         for s, handler in previous.items():
             signal.signal(s, handler)
     copier.join(10)
+    if rc == 0 and exits.too_few is not None:
+        # The elastic driver stopped the job for too few workers, yet horovodrun can exit 0 (the
+        # survivors were told to stop and did): the training did not finish.
+        rc = 1
     stopped = exits.codes[:1] == [stopped_code]
     down = unreachable(hosts, local, ssh_port) if rc != 0 and not stopped else []
     # Whatever horovodrun or mpirun said (a rank exited first, a daemon went away), a host that no

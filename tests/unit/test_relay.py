@@ -109,9 +109,10 @@ def test_an_elastic_job_with_too_few_workers_ends_in_one_line():
     out, exits = copied(ELASTIC_TOO_FEW)
     assert "Traceback" not in out and "BrokenPipeError" not in out and "failed to activate new hosts" in out
     assert exits.too_few == (2, 15)
-    assert summary(exits, 1, 99).startswith(
-        "hvdtrain: launch: fewer than --min-np 2 workers were left for 15 s (--elastic-timeout), so the elastic "
-        "job stopped")
+    for rc in (1, 0):  # horovodrun itself has exited 0 after its driver stopped the job (seen in CI)
+        assert summary(exits, rc, 99).startswith(
+            "hvdtrain: launch: fewer than --min-np 2 workers were left for 15 s (--elastic-timeout), so the elastic "
+            "job stopped")
 
 
 def test_any_other_failure_of_horovodrun_is_shown_whole():
